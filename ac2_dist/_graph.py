@@ -1,0 +1,399 @@
+"""The recorded graph: nodes, saved values and use counts.
+
+One :class:`Graph` per outermost region. The tracer appends a :class:`Node` per ATen
+op; autograd's saved-tensor hooks hold :class:`Handle` objects that point at a node
+output; unpacking a handle *realizes* that output, replaying only the nodes on the
+way back to the nearest saved values.
+
+Note [Use counts free recomputed values as soon as consumed]
+    Every way of consuming a node output during backward -- a handle being unpacked,
+    or a node being replayed that takes it as input -- is matched by exactly one
+    earlier ``arm`` of that output. ``arm`` adds one *pending* use; the first pending
+    use of an output that is neither saved nor cached *schedules* its node, which arms
+    each of the node's inputs once (a node consumes each input once when it runs).
+    ``take`` returns the value and removes one pending use; the cached value is
+    dropped when none is left. So a recomputed intermediate lives exactly until its
+    last pending consumer has it, and every node runs at most once per backward
+    (all handles are armed before backward starts: at pack time, or all together at
+    the start of a retained second backward, see Note [Epochs]).
+
+Note [Epochs: retain_graph=True]
+    Without ``retain_graph`` autograd frees each handle after unpacking it and a
+    second backward fails inside autograd with its own "retain_graph" error. With it,
+    handles survive and are unpacked again. A handle unpacked twice in one epoch
+    means a new backward pass started: the epoch advances and every handle consumed
+    in an earlier epoch is armed again (handles not yet consumed still hold their
+    pending use), before anything is replayed.
+
+Note [Saved values are version-checked references]
+    Saved values (region inputs, policy saves, side-effect outputs) are held by
+    reference, not copied. The tensor's ``_version`` (shared by all its views) is
+    recorded when saved and checked on use; a mismatch means the value was mutated
+    after being saved and is an error unless ``allow_cache_entry_mutation=True``.
+    Differentiable or aliasing op outputs are stored detached (a shared-storage
+    alias with the same version counter) so no reference cycle
+    tensor -> grad_fn -> handle -> node -> tensor forms; region inputs and
+    non-differentiable non-view outputs are stored as the same object (identity is
+    preserved, CONTRACT §4).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from ._policy import SAVE_WITH_HOOKS, Decision
+from .side_effects import OpInfo
+
+_CP = torch.utils.checkpoint.CheckpointPolicy
+_OFFLOAD = frozenset({_CP.MUST_CPU_OFFLOAD, _CP.PREFER_CPU_OFFLOAD})
+
+#: Why a value is held after forward (keys of ``RankReport.saved_bytes_by_reason``).
+REASONS = ("policy", "side_effect", "rng", "boundary", "tagged", "offloaded")
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    try:
+        return t.numel() * t.element_size()
+    except Exception:  # exotic subclasses without a size
+        return 0
+
+
+@dataclass
+class GraphStats:
+    """Counters of one region's graph; readable after the region exits.
+
+    ``cached_bytes`` is the size of recomputed values alive right now (waiting for a
+    pending consumer); ``peak_cached_bytes`` its maximum.
+    """
+
+    nodes: int = 0
+    saved_nodes: int = 0
+    recomputed_ops: int = 0
+    recomputed_bytes: int = 0
+    cached_bytes: int = 0
+    peak_cached_bytes: int = 0
+    replay_seconds: float = 0.0
+    backward_epochs: int = 0
+
+
+class Saved:
+    """A value kept from forward: a version-checked reference, offloaded, or packed."""
+
+    __slots__ = (
+        "value", "version", "hooks", "device", "allow_mutation", "reason", "nbytes", "owner",
+        "detached",
+    )
+
+    def __init__(
+        self,
+        t: torch.Tensor,
+        decision: Decision,
+        *,
+        reason: str,
+        allow_mutation: bool,
+        keep_identity: bool,
+        owner: str,
+    ) -> None:
+        self.reason = reason
+        self.allow_mutation = allow_mutation
+        self.owner = owner
+        self.nbytes = tensor_nbytes(t)
+        self.hooks: SAVE_WITH_HOOKS | None = None
+        self.device: torch.device | None = None
+        self.version: int | None = None
+        # The stored value has no autograd history although the original may have had
+        # one: it cannot serve a create_graph=True backward.
+        self.detached = (not keep_identity or isinstance(decision, SAVE_WITH_HOOKS)) and (
+            t.is_floating_point() or t.is_complex()
+        )
+        if isinstance(decision, SAVE_WITH_HOOKS):
+            self.hooks = decision
+            self.value = decision.pack(t if keep_identity else t.detach())
+            self.reason = "offloaded"
+            return
+        if decision in _OFFLOAD:
+            self.reason = "offloaded"
+            if t.device.type != "cpu":
+                self.device = t.device
+                self.value = t.detach().to("cpu", non_blocking=True)
+                return
+        self.value = t if keep_identity else t.detach()
+        self.version = t._version
+
+    def get(self) -> torch.Tensor:
+        if self.hooks is not None:
+            return self.hooks.unpack(self.value)
+        if self.device is not None:
+            return self.value.to(self.device, non_blocking=True)
+        if self.version is not None and not self.allow_mutation and self.value._version != self.version:
+            raise RuntimeError(
+                f"ac2_dist: a tensor saved for recompute ({self.owner}) was modified in place "
+                f"after it was saved (version {self.version} -> {self.value._version}); the "
+                "value backward needs is gone. Avoid the in-place op (or clone before it), or "
+                "pass allow_cache_entry_mutation=True to the region if using the mutated "
+                "value is intended."
+            )
+        return self.value
+
+
+class Node:
+    """One recorded op call. Leaves (``op is None``) are region inputs."""
+
+    __slots__ = (
+        "op",
+        "seq",
+        "args",
+        "kwargs",
+        "inputs",
+        "lists",
+        "saved",
+        "values",
+        "pending",
+        "scheduled",
+        "rng",
+        "fqn",
+        "__weakref__",
+    )
+
+    def __init__(self, op: Any, seq: int, nout: int, fqn: str = "") -> None:
+        self.op = op
+        self.seq = seq
+        self.args: tuple = ()
+        self.kwargs: dict = {}
+        # (position, producer node, producer output index) for every tensor argument.
+        self.inputs: list[tuple[Any, Node, int]] = []
+        self.lists = False  # args/kwargs hold lists with tensor slots
+        self.saved: list[Saved | None] | None = None
+        self.values: list[Any] | None = None
+        self.pending = [0] * nout
+        self.scheduled = False
+        self.rng: tuple[torch.Generator, torch.Tensor] | None = None
+        self.fqn = fqn
+
+    def __repr__(self) -> str:
+        return f"Node({self.op or 'input'}, seq={self.seq})"
+
+    def has_value(self, idx: int) -> bool:
+        if self.saved is not None and self.saved[idx] is not None:
+            return True
+        return self.values is not None and self.values[idx] is not None
+
+    def set_saved(self, idx: int, saved: Saved) -> None:
+        if self.saved is None:
+            self.saved = [None] * len(self.pending)
+        self.saved[idx] = saved
+
+    @property
+    def name(self) -> str:
+        return "region input" if self.op is None else f"output of {self.op}"
+
+
+def flatten_outputs(out: Any) -> list[Any]:
+    """Flatten an op's return value (tensor, or tuple/list nesting one list level)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        flat: list[Any] = []
+        for o in out:
+            if isinstance(o, (tuple, list)):
+                flat.extend(o)
+            else:
+                flat.append(o)
+        return flat
+    return [out]
+
+
+class Handle:
+    """What autograd keeps instead of a saved tensor: a pointer to a node output."""
+
+    __slots__ = ("graph", "node", "idx", "consumed_epoch", "__weakref__")
+
+    def __init__(self, graph: Graph, node: Node, idx: int) -> None:
+        self.graph = graph
+        self.node = node
+        self.idx = idx
+        self.consumed_epoch: int | None = None
+
+
+class Graph:
+    """Nodes of one outermost region plus the tensor -> node-output map of forward."""
+
+    def __init__(self, executor: Any) -> None:
+        # tensor -> (node, output index, version when it became that node's output)
+        self.map: WeakTensorKeyDictionary | None = WeakTensorKeyDictionary()
+        self.seq = 0
+        self.lock = threading.RLock()
+        self.epoch = 0
+        self.handles: weakref.WeakSet[Handle] = weakref.WeakSet()
+        self.stats = GraphStats()
+        self.executor = executor
+        self.create_graph = False  # set by the executor around each realize
+
+    # ---- forward side -------------------------------------------------------------
+    def new_node(self, op: Any, nout: int, fqn: str = "") -> Node:
+        self.seq += 1
+        self.stats.nodes += 1
+        return Node(op, self.seq, nout, fqn)
+
+    def leaf(
+        self,
+        t: torch.Tensor,
+        decision: Decision,
+        reason: str,
+        allow_mutation: bool,
+        owner: str = "region input",
+    ) -> Node:
+        """A saved node holding ``t`` as it is now (a region input or a new version)."""
+        node = self.new_node(None, 1)
+        saved = Saved(
+            t, decision, reason=reason, allow_mutation=allow_mutation, keep_identity=True, owner=owner
+        )
+        node.set_saved(0, saved)
+        self.stats.saved_nodes += 1
+        self.map[t] = (node, 0, t._version)
+        return node
+
+    def ref(self, t: torch.Tensor, allow_mutation: bool) -> tuple[Node, int]:
+        """The node output that ``t`` currently is (a new leaf if it is unknown or stale)."""
+        e = self.map.get(t)
+        if e is not None and e[2] == t._version:
+            return e[0], e[1]
+        return self.leaf(t, _CP.MUST_SAVE, "boundary", allow_mutation), 0
+
+    def tag(self, t: torch.Tensor, decision: Decision, allow_mutation: bool) -> None:
+        """Save ``t`` (``tag_with_policy``): its node output stops being recomputed."""
+        e = self.map.get(t)
+        if e is None or e[2] != t._version:
+            self.leaf(t, decision, "tagged", allow_mutation, owner="tagged tensor")
+            return
+        node, idx, _ = e
+        keep = node.op is None or not (t.is_floating_point() or t.is_complex())
+        owner = "tagged region input" if node.op is None else f"tagged output of {node.op}"
+        saved = Saved(
+            t, decision, reason="tagged", allow_mutation=allow_mutation, keep_identity=keep, owner=owner
+        )
+        node.set_saved(idx, saved)
+        if not node.scheduled and all(s is not None for s in node.saved):
+            # Fully saved now: recompute never passes through it, let its inputs go.
+            node.inputs = []
+            node.args = ()
+            node.kwargs = {}
+
+    def pack(self, t: torch.Tensor) -> Handle:
+        node, idx = self.ref(t, False)
+        h = Handle(self, node, idx)
+        with self.lock:
+            self.arm(node, idx)
+        self.handles.add(h)
+        return h
+
+    # ---- backward side ------------------------------------------------------------
+    def arm(self, node: Node, idx: int) -> None:
+        """Add one pending use of ``node[idx]`` (Note [Use counts ...])."""
+        stack = [(node, idx)]
+        while stack:
+            n, i = stack.pop()
+            if n.saved is not None and n.saved[i] is not None:
+                continue
+            if not (n.values is not None and n.values[i] is not None) and not n.scheduled:
+                n.scheduled = True
+                stack.extend((m, j) for _, m, j in n.inputs)
+            n.pending[i] += 1
+
+    def take(self, node: Node, idx: int) -> Any:
+        """Hand ``node[idx]`` to one consumer; drop the cached value at its last use."""
+        if node.saved is not None and node.saved[idx] is not None:
+            s = node.saved[idx]
+            if self.create_graph and s.detached:
+                raise RuntimeError(
+                    f"ac2_dist: backward with create_graph=True needs the saved {s.owner} with "
+                    "its autograd history, but ac2_dist keeps saved activations detached. "
+                    "Use policy 'recompute_all' (and rng='replay' for random ops) for a region "
+                    "you differentiate twice, so every value is recomputed from the region inputs."
+                )
+            return s.get()
+        values = node.values
+        v = values[idx]
+        node.pending[idx] -= 1
+        if node.pending[idx] <= 0:
+            node.pending[idx] = 0
+            values[idx] = None
+            if isinstance(v, torch.Tensor):
+                self.stats.cached_bytes -= tensor_nbytes(v)
+            if all(x is None for x in values):
+                node.values = None
+        return v
+
+    def realize(self, node: Node, idx: int) -> Any:
+        """Value of ``node[idx]``, replaying what is missing from the nearest saved values."""
+        if not node.has_value(idx):
+            todo = {node}
+            stack = [node]
+            while stack:
+                n = stack.pop()
+                for _, m, j in n.inputs:
+                    if m not in todo and not m.has_value(j):
+                        todo.add(m)
+                        stack.append(m)
+            for n in sorted(todo, key=lambda n: n.seq):
+                self._run(n)
+        return self.take(node, idx)
+
+    def _run(self, node: Node) -> None:
+        if node.op is None or node.saved is not None and all(s is not None for s in node.saved):
+            raise RuntimeError(f"ac2_dist internal error: asked to replay {node.name}")
+        if not node.scheduled:  # defensive: keep take() balanced
+            for _, m, j in node.inputs:
+                self.arm(m, j)
+        if node.lists:
+            args = [list(a) if type(a) is list else a for a in node.args]
+            kwargs = {k: list(v) if type(v) is list else v for k, v in node.kwargs.items()}
+        else:
+            args = list(node.args)
+            kwargs = dict(node.kwargs) if node.kwargs else {}
+        for pos, m, j in node.inputs:
+            v = self.take(m, j)
+            if type(pos) is int:
+                args[pos] = v
+            elif type(pos) is str:
+                kwargs[pos] = v
+            else:
+                p, k = pos
+                (args if type(p) is int else kwargs)[p][k] = v
+        node.scheduled = False
+        flat = flatten_outputs(self.executor.run(node, args, kwargs))
+        stats = self.stats
+        stats.recomputed_ops += 1
+        pending = node.pending
+        for i, v in enumerate(flat):
+            if isinstance(v, torch.Tensor):
+                nbytes = tensor_nbytes(v)
+                stats.recomputed_bytes += nbytes
+                if pending[i] > 0 and (node.saved is None or node.saved[i] is None):
+                    stats.cached_bytes += nbytes
+                else:
+                    flat[i] = None
+        stats.peak_cached_bytes = max(stats.peak_cached_bytes, stats.cached_bytes)
+        node.values = flat
+
+    def unpack(self, h: Handle) -> Any:
+        with self.lock:
+            if h.consumed_epoch is not None and h.consumed_epoch == self.epoch:
+                self._new_epoch()
+            v = self.executor.realize(self, h.node, h.idx)
+            h.consumed_epoch = self.epoch
+            return v
+
+    def _new_epoch(self) -> None:
+        self.epoch += 1
+        self.stats.backward_epochs += 1
+        for h in list(self.handles):
+            if h.consumed_epoch is not None:
+                h.consumed_epoch = None
+                self.arm(h.node, h.idx)

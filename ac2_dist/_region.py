@@ -1,0 +1,187 @@
+"""Regions: the user-facing entry points and the per-thread state behind them.
+
+Note [Per-thread state]
+    Everything a region installs is thread-local in torch (dispatch modes and
+    saved-tensor hooks) and so is ours: :class:`_ThreadState` holds the stack of
+    entered policy frames and the graph of the outermost region of *this* thread.
+    Backward may unpack on autograd worker threads; a handle carries its graph, so
+    unpacking needs no thread state except the ``replaying`` flag of the thread that
+    replays (Note [Replay environment] in _replay.py).
+
+Note [Outermost region owns the graph]
+    Only the outermost region of a thread installs the tracer and the saved-tensor
+    hooks and owns a :class:`Graph`; nested regions push a policy frame that is
+    combined with the outer ones per op. On exit the outermost region drops the
+    tensor -> node map, so after forward the graph is reachable only from the
+    handles autograd holds: nothing of a region outlives its autograd graph.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from ._graph import Graph, GraphStats
+from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, _Frame, is_save
+from ._replay import InlineExecutor
+from ._tracer import Tracer
+
+__all__ = [
+    "apply_ac_policy",
+    "apply_ac_policy_fn",
+    "tag_with_policy",
+    "is_checkpoint_enabled",
+]
+
+T = TypeVar("T")
+_CP = torch.utils.checkpoint.CheckpointPolicy
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.frames: list[_Frame] = []
+        self.owners: list[apply_ac_policy] = []
+        self.graph: Graph | None = None
+        self.replaying = 0
+
+
+_STATE = _ThreadState()
+
+
+def _thread_state() -> _ThreadState:
+    return _STATE
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0
+
+
+class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
+    """Checkpoint the ops run inside this ``with`` block under ``policy``.
+
+    Every ATen op in the block is recorded; autograd's saved tensors are replaced by
+    handles into that record, and backward recomputes only the ops it needs, starting
+    from the nearest saved values. Collectives, ops that write their inputs, opaque
+    ops and (with ``rng="save"``) random ops are never re-executed.
+
+    Args:
+        policy: ``"recompute_all"``, ``"must_save_all"``, a policy callable
+            ``(ctx, op, *args, **kwargs) -> CheckpointPolicy | bool | SAVE_WITH_HOOKS``
+            (torch's selective-checkpoint signature), or an iterable of ``OpOverload``
+            whose outputs are saved (everything else is recomputed).
+        rng: ``"save"`` keeps the outputs of random ops; ``"replay"`` stashes the
+            generator state per op and regenerates the same bits in backward.
+        allow_cache_entry_mutation: use a saved tensor even if it was modified in
+            place after being saved (default: raise an error on use).
+        module_fqn: reported to policies as ``ctx.module_fqn``.
+
+    Regions nest; the outermost one records, inner ones add their policy (CONTRACT §2).
+    The object is also a decorator-free context manager for one thread at a time;
+    ``stats`` (a :class:`GraphStats`) describes the last outermost use.
+    """
+
+    def __init__(
+        self,
+        policy: PolicyLike = "recompute_all",
+        *,
+        rng: str = "save",
+        allow_cache_entry_mutation: bool = False,
+        module_fqn: str = "",
+    ) -> None:
+        self._frame = _Frame(
+            policy, rng=rng, allow_mutation=allow_cache_entry_mutation, module_fqn=module_fqn
+        )
+        self._installed: tuple[Any, ...] | None = None
+        self.stats: GraphStats | None = None
+
+    def __enter__(self) -> apply_ac_policy:
+        st = _thread_state()
+        if st.graph is None:
+            graph = Graph(InlineExecutor(_thread_state))
+            ctx = PolicyContext(self._frame.module_fqn, _rank())
+            tracer = Tracer(graph, st, ctx)
+            hooks = torch.autograd.graph.saved_tensors_hooks(graph.pack, _unpack)
+            hooks.__enter__()
+            try:
+                tracer.__enter__()
+            except BaseException:
+                hooks.__exit__(None, None, None)
+                raise
+            st.graph = graph
+            self._installed = (graph, tracer, hooks)
+            self.stats = graph.stats
+        elif self._installed is not None:
+            raise RuntimeError("ac2_dist: this apply_ac_policy object is already active")
+        st.frames.append(self._frame)
+        st.owners.append(self)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        st = _thread_state()
+        if not st.owners or st.owners[-1] is not self:
+            raise RuntimeError(
+                "ac2_dist: apply_ac_policy regions exited out of order; nest them with 'with'"
+            )
+        st.owners.pop()
+        st.frames.pop()
+        if self._installed is not None:
+            graph, tracer, hooks = self._installed
+            self._installed = None
+            st.graph = None
+            graph.map = None
+            try:
+                tracer.__exit__(exc_type, exc, tb)
+            finally:
+                hooks.__exit__(exc_type, exc, tb)
+
+
+def _unpack(handle: Any) -> Any:
+    return handle.graph.unpack(handle)
+
+
+def apply_ac_policy_fn(
+    fn: Callable[..., T],
+    *args: Any,
+    policy_fn: PolicyLike = "recompute_all",
+    rng: str = "save",
+    allow_cache_entry_mutation: bool = False,
+    **kwargs: Any,
+) -> T:
+    """Call ``fn(*args, **kwargs)`` inside ``apply_ac_policy(policy_fn, ...)``."""
+    with apply_ac_policy(policy_fn, rng=rng, allow_cache_entry_mutation=allow_cache_entry_mutation):
+        return fn(*args, **kwargs)
+
+
+def is_checkpoint_enabled() -> bool:
+    """True while this thread is inside any :class:`apply_ac_policy` region."""
+    return bool(_thread_state().frames)
+
+
+def tag_with_policy(
+    t: torch.Tensor, policy: _CP | bool | SAVE_WITH_HOOKS = _CP.MUST_SAVE
+) -> torch.Tensor:
+    """Save ``t`` (a tensor computed in the current region) instead of recomputing it.
+
+    ``policy`` must be a save policy (``MUST_SAVE``, ``PREFER_SAVE``, ``True``, a
+    ``*_CPU_OFFLOAD``) or a :class:`SAVE_WITH_HOOKS`. Returns ``t`` for chaining.
+    """
+    st = _thread_state()
+    if st.graph is None:
+        raise RuntimeError("ac2_dist.tag_with_policy must be called inside an apply_ac_policy region")
+    if policy is True:
+        policy = _CP.MUST_SAVE
+    if not is_save(policy):
+        raise ValueError(
+            f"ac2_dist.tag_with_policy: {policy!r} is not a save policy; use MUST_SAVE, "
+            "PREFER_SAVE, a *_CPU_OFFLOAD policy or SAVE_WITH_HOOKS"
+        )
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"ac2_dist.tag_with_policy expects a tensor, got {type(t).__name__}")
+    st.graph.tag(t, policy, st.frames[-1].allow_mutation)
+    return t

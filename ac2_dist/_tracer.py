@@ -1,0 +1,186 @@
+"""The tracer: a TorchDispatchMode that records every ATen op of a region.
+
+This is the hot path: ``__torch_dispatch__`` runs once per op. Everything that
+depends only on the operator comes from the cached :class:`~.side_effects.OpInfo`;
+the built-in string and save-list policies are decided without a Python call; the
+argument walk only looks inside lists when the schema has ``Tensor[]`` arguments.
+
+Note [What the tracer decides per op]
+    1. Ignored metadata ops (``SAC_IGNORED_OPS``) are recomputable and the policy is
+       not asked (CONTRACT §2).
+    2. Otherwise the nested policies are resolved (``_policy.resolve``).
+    3. Side effects override the policy (CONTRACT §3): collectives, FSDP ops, ops
+       that write an input, opaque ops and RNG ops under ``rng="save"`` are saved; a
+       MUST_RECOMPUTE for one of them is an error naming the op.
+    4. A saved node keeps its outputs and drops its arguments (recompute never goes
+       past it); a recomputable node keeps its arguments as references to the
+       producing node outputs and keeps no output.
+    5. Every tensor an op writes becomes a new version: the map now points it at a
+       saved node holding the post-op value (see Note [Saved values are
+       version-checked references] in _graph.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._graph import Graph, Node, Saved, flatten_outputs
+from ._policy import PolicyContext, is_save, resolve
+from ._replay import default_generator
+from .side_effects import _INFO, SideEffect, op_info
+
+_CP = torch.utils.checkpoint.CheckpointPolicy
+_Tensor = torch.Tensor
+_NONE = SideEffect.NONE
+_PLAIN_RESULTS = (int, float, bool, complex, torch.SymInt, torch.SymFloat, torch.SymBool, torch.dtype, torch.device)
+
+
+def _rng_device(args: tuple, kwargs: dict) -> torch.device:
+    for a in args:
+        if isinstance(a, _Tensor):
+            return a.device
+    dev = kwargs.get("device")
+    return torch.device(dev) if dev is not None else torch.device("cpu")
+
+
+class Tracer(TorchDispatchMode):
+    """Records the ops of one outermost region into a :class:`Graph`."""
+
+    def __init__(self, graph: Graph, state: Any, ctx: PolicyContext) -> None:
+        super().__init__()
+        self.graph = graph
+        self.state = state
+        self.ctx = ctx
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: C901 - hot path
+        if kwargs is None:
+            kwargs = {}
+        state = self.state
+        if state.replaying:
+            return func(*args, **kwargs)
+        info = _INFO.get(func) or op_info(func)
+        frames = state.frames
+        inner = frames[-1]
+
+        rng = None
+        random = info.is_rng and info.is_random(args, kwargs)
+        if random and inner.rng == "replay" and not info.written:
+            gen = info.generator(args, kwargs) or default_generator(_rng_device(args, kwargs))
+            rng = (gen, gen.get_state())
+
+        out = func(*args, **kwargs)
+
+        # ---- decide --------------------------------------------------------------
+        if info.ignored:
+            decision = _CP.PREFER_RECOMPUTE
+        elif len(frames) == 1 and inner.const is not None:
+            decision = inner.const
+        else:
+            ctx = self.ctx
+            ctx.op_output = out
+            ctx.module_fqn = inner.module_fqn
+            try:
+                decision = resolve(frames, ctx, func, args, kwargs)
+            finally:
+                ctx.op_output = None
+
+        single = isinstance(out, _Tensor)
+        flat = (out,) if single else flatten_outputs(out)
+        side = info.side_effect
+        reason = "side_effect"
+        if side is _NONE:
+            if random and rng is None:
+                side, reason = SideEffect.RNG, "rng"
+            elif not single and any(
+                o is not None and not isinstance(o, (_Tensor, *_PLAIN_RESULTS)) for o in flat
+            ):
+                side = SideEffect.OPAQUE
+        if side is not _NONE:
+            if decision is _CP.MUST_RECOMPUTE:
+                hint = " (or pass rng='replay' to the region)" if side is SideEffect.RNG else ""
+                raise RuntimeError(
+                    f"ac2_dist: the policy returned MUST_RECOMPUTE for {func}, which is a "
+                    f"{side.value} op and is never replayed during backward (CONTRACT §3). "
+                    f"Return a save or PREFER_* policy for it{hint}."
+                )
+            if not is_save(decision):
+                decision = _CP.MUST_SAVE
+        elif is_save(decision):
+            reason = "policy"
+
+        graph = self.graph
+        gmap = graph.map
+        if not is_save(decision):
+            node = self._recomputable(graph, func, info, args, kwargs, len(flat), inner)
+            node.rng = rng
+        else:
+            node = graph.new_node(func, len(flat), inner.module_fqn)
+            graph.stats.saved_nodes += 1
+            keep_base = not info.returns_alias
+            for i, o in enumerate(flat):
+                if isinstance(o, _Tensor):
+                    keep = keep_base and not (o.is_floating_point() or o.is_complex())
+                    node.set_saved(
+                        i,
+                        Saved(o, decision, reason=reason, allow_mutation=inner.allow_mutation,
+                              keep_identity=keep, owner=f"output of {func}"),
+                    )
+        for i, o in enumerate(flat):
+            if isinstance(o, _Tensor):
+                gmap[o] = (node, i, o._version)
+
+        if info.written:
+            self._new_versions(graph, info, args, kwargs, flat, inner.allow_mutation)
+        return out
+
+    @staticmethod
+    def _recomputable(graph: Graph, func, info, args, kwargs, nout, frame) -> Node:
+        node = graph.new_node(func, nout, frame.module_fqn)
+        inputs = node.inputs
+        allow = frame.allow_mutation
+        targs = list(args)
+        for i, a in enumerate(args):
+            if isinstance(a, _Tensor):
+                m, j = graph.ref(a, allow)
+                inputs.append((i, m, j))
+                targs[i] = None
+            elif info.has_tensor_lists and type(a) in (list, tuple):
+                lst = list(a)
+                for k, e in enumerate(a):
+                    if isinstance(e, _Tensor):
+                        m, j = graph.ref(e, allow)
+                        inputs.append(((i, k), m, j))
+                        lst[k] = None
+                        node.lists = True
+                targs[i] = lst
+        node.args = tuple(targs)
+        if kwargs:
+            tkw = dict(kwargs)
+            for k, v in kwargs.items():
+                if isinstance(v, _Tensor):
+                    m, j = graph.ref(v, allow)
+                    inputs.append((k, m, j))
+                    tkw[k] = None
+                elif info.has_tensor_lists and type(v) in (list, tuple):
+                    lst = list(v)
+                    for n, e in enumerate(v):
+                        if isinstance(e, _Tensor):
+                            m, j = graph.ref(e, allow)
+                            inputs.append(((k, n), m, j))
+                            lst[n] = None
+                            node.lists = True
+                    tkw[k] = lst
+            node.kwargs = tkw
+        return node
+
+    @staticmethod
+    def _new_versions(graph: Graph, info, args, kwargs, flat, allow: bool) -> None:
+        returned = {id(o) for o in flat if isinstance(o, _Tensor)}
+        for pos in info.written:
+            w = args[pos] if type(pos) is int and pos < len(args) else kwargs.get(pos)
+            for t in w if isinstance(w, (list, tuple)) else (w,):
+                if isinstance(t, _Tensor) and id(t) not in returned:
+                    graph.leaf(t, _CP.MUST_SAVE, "side_effect", allow, f"tensor written by {info.op}")

@@ -1,0 +1,154 @@
+"""Per-operator facts the tracer needs, computed once per ``OpOverload``.
+
+The tracer runs once per ATen op, so everything that depends only on the operator
+(its schema, its tags, its namespace) is derived here once and cached in an
+:class:`OpInfo`. The classification answers one question for the tracer: *may this
+op be re-executed during backward?* (CONTRACT §3). Ops that may not are "side
+effects": their outputs are saved whatever the policy says.
+
+Note [Op-info cache is a memo, not state]
+    ``_INFO`` maps an ``OpOverload`` to immutable facts about its schema. It is the
+    only module-level dictionary in the package and it never holds tensors, regions
+    or per-thread data; clearing it at any time is always safe (it is rebuilt on the
+    next lookup).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+__all__ = ["SideEffect", "OpInfo", "op_info", "COLLECTIVE_NAMESPACES"]
+
+#: Namespaces whose ops talk to other ranks or to FSDP's buffers. Never replayed.
+COLLECTIVE_NAMESPACES = frozenset(
+    {"c10d", "_c10d_functional", "c10d_functional", "_dtensor", "fsdp", "symm_mem"}
+)
+
+
+class SideEffect(enum.Enum):
+    """Why an op must not be re-executed during backward (``NONE`` if it may)."""
+
+    NONE = "none"
+    COLLECTIVE = "collective"  # c10d / functional collectives / symm_mem
+    FSDP = "fsdp"  # FSDP2's own copy-in / copy-out ops
+    MUTATION = "mutation"  # writes one of its inputs (in-place or out=)
+    RNG = "rng"  # draws from a generator (only a side effect when rng="save")
+    OPAQUE = "opaque"  # no schema, or returns objects that are not tensors / numbers
+
+
+def _is_tensor_type(t: torch._C.JitType) -> bool:
+    return isinstance(t, torch._C.TensorType) or (
+        isinstance(t, torch._C.OptionalType) and isinstance(t.getElementType(), torch._C.TensorType)
+    )
+
+
+def _is_tensor_list_type(t: torch._C.JitType) -> bool:
+    if isinstance(t, torch._C.OptionalType):
+        t = t.getElementType()
+    return isinstance(t, torch._C.ListType) and _is_tensor_type(t.getElementType())
+
+
+@dataclass(frozen=True, slots=True)
+class OpInfo:
+    """Immutable facts about one ``OpOverload``, cached by :func:`op_info`."""
+
+    op: torch._ops.OpOverload
+    #: ``torch.utils.checkpoint.SAC_IGNORED_OPS``: metadata ops, policy not consulted.
+    ignored: bool
+    #: Side-effect class from the namespace / schema (RNG is reported separately).
+    side_effect: SideEffect
+    #: Positions of written arguments: ``int`` for ``args[i]``, ``str`` for ``kwargs[name]``.
+    #: A written argument may be a single tensor or a list of tensors.
+    written: tuple[int | str, ...]
+    #: ``torch.Tag.nondeterministic_seeded``: consumes random numbers.
+    is_rng: bool
+    #: Where ``dropout_p`` is passed (index, name); an RNG op with ``dropout_p == 0`` is
+    #: deterministic (e.g. SDPA without dropout).
+    dropout_arg: tuple[int, str] | None
+    #: Where a ``generator`` argument is passed (index, name), if the schema has one.
+    generator_arg: tuple[int, str] | None
+    #: Some argument is a ``Tensor[]`` / ``Tensor?[]`` (slower argument walk).
+    has_tensor_lists: bool
+    #: Some return aliases an input (view ops): saved outputs are detached.
+    returns_alias: bool
+
+    @property
+    def mutates(self) -> bool:
+        return bool(self.written)
+
+    def is_random(self, args: tuple, kwargs: dict) -> bool:
+        """True if this call draws random numbers (``dropout_p == 0`` does not)."""
+        if not self.is_rng:
+            return False
+        if self.dropout_arg is not None:
+            idx, name = self.dropout_arg
+            p = args[idx] if idx < len(args) else kwargs.get(name, 0.0)
+            return bool(p)
+        return True
+
+    def generator(self, args: tuple, kwargs: dict) -> torch.Generator | None:
+        if self.generator_arg is None:
+            return None
+        idx, name = self.generator_arg
+        return args[idx] if idx < len(args) else kwargs.get(name)
+
+
+_INFO: dict[torch._ops.OpOverload, OpInfo] = {}
+
+
+def _classify_namespace(ns: str) -> SideEffect:
+    if ns == "fsdp":
+        return SideEffect.FSDP
+    if ns in COLLECTIVE_NAMESPACES:
+        return SideEffect.COLLECTIVE
+    return SideEffect.NONE
+
+
+def _build(op: torch._ops.OpOverload) -> OpInfo:
+    schema = getattr(op, "_schema", None)
+    if schema is None:  # e.g. a higher-order op reaching the mode: never replayed
+        return OpInfo(op, False, SideEffect.OPAQUE, (), False, None, None, True, True)
+    written: list[int | str] = []
+    dropout_arg = generator_arg = None
+    has_lists = False
+    for i, arg in enumerate(schema.arguments):
+        pos: int | str = arg.name if arg.kwarg_only else i
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            written.append(pos)
+        if _is_tensor_list_type(arg.type):
+            has_lists = True
+        if arg.name == "dropout_p":
+            dropout_arg = (i, arg.name)
+        elif arg.name == "generator":
+            generator_arg = (i, arg.name)
+    returns_alias = any(r.alias_info is not None for r in schema.returns)
+    side_effect = _classify_namespace(op.namespace)
+    if side_effect is SideEffect.NONE and any(
+        isinstance(r.type, (torch._C.ClassType, torch._C.AnyType)) for r in schema.returns
+    ):
+        side_effect = SideEffect.OPAQUE
+    if side_effect is SideEffect.NONE and written:
+        side_effect = SideEffect.MUTATION
+    return OpInfo(
+        op=op,
+        ignored=op in SAC_IGNORED_OPS,
+        side_effect=side_effect,
+        written=tuple(written),
+        is_rng=torch.Tag.nondeterministic_seeded in op.tags,
+        dropout_arg=dropout_arg,
+        generator_arg=generator_arg,
+        has_tensor_lists=has_lists,
+        returns_alias=returns_alias,
+    )
+
+
+def op_info(op: torch._ops.OpOverload) -> OpInfo:
+    """Return the cached :class:`OpInfo` of ``op`` (built on first use)."""
+    info = _INFO.get(op)
+    if info is None:
+        info = _INFO[op] = _build(op)
+    return info
