@@ -66,8 +66,9 @@ class Tracer(TorchDispatchMode):
         inner = frames[-1]
 
         rng = None
+        writes = info.written and info.writes(args)
         random = info.is_rng and info.is_random(args, kwargs)
-        if random and inner.rng == "replay" and not info.written:
+        if random and inner.rng == "replay" and not writes:
             gen = info.generator(args, kwargs) or default_generator(_rng_device(args, kwargs))
             rng = (gen, gen.get_state())
 
@@ -92,7 +93,9 @@ class Tracer(TorchDispatchMode):
         side = info.side_effect
         reason = "side_effect"
         if side is _NONE:
-            if random and rng is None:
+            if writes:
+                side = SideEffect.MUTATION
+            elif random and rng is None:
                 side, reason = SideEffect.RNG, "rng"
             elif not single and any(
                 o is not None and not isinstance(o, (_Tensor, *_PLAIN_RESULTS)) for o in flat
@@ -132,7 +135,7 @@ class Tracer(TorchDispatchMode):
             if isinstance(o, _Tensor):
                 gmap[o] = (node, i, o._version)
 
-        if info.written:
+        if writes:
             self._new_versions(graph, info, args, kwargs, flat, inner.allow_mutation)
         return out
 

@@ -71,14 +71,19 @@ class OpInfo:
     dropout_arg: tuple[int, str] | None
     #: Where a ``generator`` argument is passed (index, name), if the schema has one.
     generator_arg: tuple[int, str] | None
+    #: If set, ``written`` only applies when ``args[write_flag]`` is true (Note [Schemas
+    #: that hide writes]).
+    write_flag: int | None
     #: Some argument is a ``Tensor[]`` / ``Tensor?[]`` (slower argument walk).
     has_tensor_lists: bool
     #: Some return aliases an input (view ops): saved outputs are detached.
     returns_alias: bool
 
-    @property
-    def mutates(self) -> bool:
-        return bool(self.written)
+    def writes(self, args: tuple) -> bool:
+        """True if this call writes one of its arguments."""
+        if not self.written:
+            return False
+        return self.write_flag is None or bool(args[self.write_flag])
 
     def is_random(self, args: tuple, kwargs: dict) -> bool:
         """True if this call draws random numbers (``dropout_p == 0`` does not)."""
@@ -99,6 +104,18 @@ class OpInfo:
 
 _INFO: dict[torch._ops.OpOverload, OpInfo] = {}
 
+# Note [Schemas that hide writes]
+#     These ops update ``running_mean`` / ``running_var`` (arguments 3 and 4) in place
+#     when ``training`` (argument 5) is true, but their schemas carry no ``(a!)``
+#     annotation. Replaying them would update the running statistics twice, so they
+#     are treated as writing those arguments whenever ``training`` is true.
+_UNDECLARED_WRITES: dict[str, tuple[tuple[int, ...], int]] = {
+    "aten::native_batch_norm": ((3, 4), 5),
+    "aten::cudnn_batch_norm": ((3, 4), 5),
+    "aten::miopen_batch_norm": ((3, 4), 5),
+    "aten::_batch_norm_impl_index": ((3, 4), 5),
+}
+
 
 def _classify_namespace(ns: str) -> SideEffect:
     if ns == "fsdp":
@@ -111,7 +128,7 @@ def _classify_namespace(ns: str) -> SideEffect:
 def _build(op: torch._ops.OpOverload) -> OpInfo:
     schema = getattr(op, "_schema", None)
     if schema is None:  # e.g. a higher-order op reaching the mode: never replayed
-        return OpInfo(op, False, SideEffect.OPAQUE, (), False, None, None, True, True)
+        return OpInfo(op, False, SideEffect.OPAQUE, (), False, None, None, None, True, True)
     written: list[int | str] = []
     dropout_arg = generator_arg = None
     has_lists = False
@@ -125,13 +142,17 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
             dropout_arg = (i, arg.name)
         elif arg.name == "generator":
             generator_arg = (i, arg.name)
+    write_flag = None
+    hidden = _UNDECLARED_WRITES.get(schema.name) if not schema.overload_name else None
+    if hidden is not None:
+        written, write_flag = list(hidden[0]), hidden[1]
     returns_alias = any(r.alias_info is not None for r in schema.returns)
     side_effect = _classify_namespace(op.namespace)
     if side_effect is SideEffect.NONE and any(
         isinstance(r.type, (torch._C.ClassType, torch._C.AnyType)) for r in schema.returns
     ):
         side_effect = SideEffect.OPAQUE
-    if side_effect is SideEffect.NONE and written:
+    if side_effect is SideEffect.NONE and written and write_flag is None:
         side_effect = SideEffect.MUTATION
     return OpInfo(
         op=op,
@@ -141,6 +162,7 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
         is_rng=torch.Tag.nondeterministic_seeded in op.tags,
         dropout_arg=dropout_arg,
         generator_arg=generator_arg,
+        write_flag=write_flag,
         has_tensor_lists=has_lists,
         returns_alias=returns_alias,
     )
