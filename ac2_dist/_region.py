@@ -170,10 +170,9 @@ def tag_with_policy(
 
     ``policy`` must be a save policy (``MUST_SAVE``, ``PREFER_SAVE``, ``True``, a
     ``*_CPU_OFFLOAD``) or a :class:`SAVE_WITH_HOOKS`. Returns ``t`` for chaining.
+    Outside any region there is nothing to save into and the call does nothing, so a
+    model that tags its tensors also runs without checkpointing.
     """
-    st = _thread_state()
-    if st.graph is None:
-        raise RuntimeError("ac2_dist.tag_with_policy must be called inside an apply_ac_policy region")
     if policy is True:
         policy = _CP.MUST_SAVE
     if not is_save(policy):
@@ -183,5 +182,8 @@ def tag_with_policy(
         )
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"ac2_dist.tag_with_policy expects a tensor, got {type(t).__name__}")
+    st = _thread_state()
+    if st.graph is None:
+        return t
     st.graph.tag(t, policy, st.frames[-1].allow_mutation)
     return t

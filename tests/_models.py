@@ -1,0 +1,119 @@
+"""Small real models shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 32, hidden: int = 64) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(F.gelu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm transformer block: LayerNorm, causal SDPA attention, GELU MLP."""
+
+    def __init__(self, d: int = 32, heads: int = 4, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        x = x + F.dropout(self.proj(a.transpose(1, 2).reshape(b, t, d)), self.dropout, self.training)
+        return x + F.dropout(self.out(F.gelu(self.fc(self.ln2(x)))), self.dropout, self.training)
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int = 2, d: int = 32, heads: int = 4, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(GPTBlock(d, heads, dropout) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.blocks:
+            x = blk(x)
+        return self.norm(x)
+
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(F.relu(self.bn1(self.conv1(x))))
+        return F.relu(self.bn2(self.conv2(x)), inplace=True).mean(dim=(2, 3))
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self, d: int = 32, p: float = 0.3) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 64)
+        self.drop = nn.Dropout(p)
+        self.fc2 = nn.Linear(64, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.tanh(self.fc1(x))))
+
+
+def grads_of(model: nn.Module, run: Callable[[nn.Module], torch.Tensor], *extra: torch.Tensor):
+    """Zero grads, run ``run(model)`` to a scalar, backward, return all grads."""
+    model.zero_grad(set_to_none=True)
+    for t in extra:
+        t.grad = None
+    run(model).backward()
+    return [p.grad.clone() for p in model.parameters()] + [t.grad.clone() for t in extra]
+
+
+def twin(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
+
+
+def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == y.dtype and x.shape == y.shape, i
+        assert torch.equal(x, y), f"tensor {i} differs: max abs diff {(x - y).abs().max().item()}"
+
+
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ATen ops that run while it is active (e.g. during backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    def __getitem__(self, name: str) -> int:
+        return self.counts.get(name, 0)
