@@ -224,7 +224,7 @@ class Handle:
 class Graph:
     """Nodes of one outermost region plus the tensor -> node-output map of forward."""
 
-    def __init__(self, executor: Any) -> None:
+    def __init__(self, executor: Any, frames: list) -> None:
         # tensor -> (node, output index, version when it became that node's output)
         self.map: WeakTensorKeyDictionary | None = WeakTensorKeyDictionary()
         self.seq = 0
@@ -234,6 +234,7 @@ class Graph:
         self.stats = GraphStats()
         self.executor = executor
         self.create_graph = False  # set by the executor around each realize
+        self.frames = frames  # the policy frames of the thread that records (forward)
 
     # ---- forward side -------------------------------------------------------------
     def new_node(self, op: Any, nout: int, fqn: str = "") -> Node:
@@ -286,7 +287,10 @@ class Graph:
             node.kwargs = {}
 
     def pack(self, t: torch.Tensor) -> Handle:
-        node, idx = self.ref(t, False)
+        # Autograd may save an op's inputs before the tracer sees the op: a region input
+        # can become a leaf here first, under the innermost region's mutation setting.
+        frames = self.frames
+        node, idx = self.ref(t, frames[-1].allow_mutation if frames else False)
         h = Handle(self, node, idx)
         with self.lock:
             self.arm(node, idx)

@@ -103,7 +103,7 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
     def __enter__(self) -> apply_ac_policy:
         st = _thread_state()
         if st.graph is None:
-            graph = Graph(InlineExecutor(_thread_state))
+            graph = Graph(InlineExecutor(_thread_state), st.frames)
             ctx = PolicyContext(self._frame.module_fqn, _rank())
             tracer = Tracer(graph, st, ctx)
             hooks = torch.autograd.graph.saved_tensors_hooks(graph.pack, _unpack)

@@ -1,0 +1,237 @@
+"""Op kinds: multi-output, kwargs, views, non-tensor results, in-place and out=,
+tensor subclasses, SDPA, identity and version checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _models import OpCounter
+from torch.testing._internal.two_tensor import TwoTensor
+
+import ac2_dist as ac
+
+aten = torch.ops.aten
+
+
+def _check(fn, *inputs, policy="recompute_all", **region):
+    """fn under the region gives bitwise-equal grads to eager; returns the counter."""
+    inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    ref_in = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    ref = torch.autograd.grad(fn(*ref_in), [t for t in ref_in if t.requires_grad])
+    with ac.apply_ac_policy(policy, **region):
+        y = fn(*inputs)
+    with OpCounter() as counter:
+        got = torch.autograd.grad(y, [t for t in inputs if t.requires_grad])
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    return counter
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", "must_save_all", [aten.split.Tensor]])
+def test_multi_output_split_unbind_chunk(policy):
+    def fn(x):
+        a, b, c = x.sin().split(4, dim=1)
+        d, e = x.cos().unbind(0)
+        f, g = (x * 3).chunk(2, dim=1)
+        return (a.tanh() * b.tanh() + c.exp()).sum() + (d.sigmoid() * e).sum() + (f * g.exp()).sum()
+
+    _check(fn, torch.randn(2, 12), policy=policy)
+
+
+def test_multi_output_op_is_replayed_once():
+    def fn(x):
+        values, indices = x.exp().max(dim=1)  # aten.max.dim: two outputs
+        return (values.tanh() * x.sum(1)).sum() + indices.sum()
+
+    counter = _check(fn, torch.randn(6, 5))
+    assert counter["aten.exp"] == 1  # max's backward needs indices; tanh its input
+
+
+def test_kwargs_and_scalar_args_replayed_exactly():
+    def fn(x, w):
+        y = torch.addmm(x[:, :4], x, w, beta=0.5, alpha=2.0)
+        z = torch.clamp(y, min=-0.3, max=0.4).tanh()
+        s = torch.sum(z * y, dim=1, keepdim=True, dtype=torch.float64)
+        return F.layer_norm(z, (4,), eps=1e-3).pow(3).sum() + s.sum()
+
+    _check(fn, torch.randn(5, 6), torch.randn(6, 4))
+
+
+def test_views_and_view_chains():
+    def fn(x):
+        v = x.exp().view(4, 6).t().contiguous().view(-1)[::2]
+        w = x.tanh().transpose(0, 1).unsqueeze(0).expand(3, -1, -1)
+        return (v.sin() ** 2).sum() + (w.sigmoid() * w).sum() + x.diagonal().exp().sum()
+
+    _check(fn, torch.randn(6, 4))
+
+
+def test_non_tensor_outputs_are_not_replayed():
+    def fn(x):
+        y = x.exp()
+        scale = y.max().item()  # aten._local_scalar_dense: a Python number
+        n = y.shape[0] * y.numel()
+        return (y.tanh() * scale * n).sum()
+
+    counter = _check(fn, torch.randn(3, 3))
+    assert counter["aten._local_scalar_dense"] == 0
+
+
+def test_in_place_chain_never_replayed():
+    def fn(x):
+        a = x * 2
+        a.add_(1).mul_(3)
+        b = a.relu_()
+        c = b.tanh() * 2
+        c.sub_(x.detach())
+        return (c.sigmoid() * a.exp()).sum()
+
+    counter = _check(fn, torch.randn(4, 4))
+    for op in ("aten.add_", "aten.mul_", "aten.relu_", "aten.sub_"):
+        assert counter[op] == 0, op
+    # Replays start from the saved post-write versions (relu_'s and sub_'s outputs).
+    assert counter["aten.tanh"] == 1 and counter["aten.sigmoid"] == 1 and counter["aten.exp"] == 1
+
+
+def test_out_overloads_every_written_argument_versioned():
+    def fn(x):
+        a = x.exp()
+        out = torch.empty(4, 4)
+        with torch.no_grad():
+            torch.mul(a, 2, out=out)  # writes `out`, whose first use is after the op
+        m, i = torch.empty(4), torch.empty(4, dtype=torch.long)
+        torch.max(a.detach(), dim=1, out=(m, i))  # two written arguments, neither first
+        return (a * out).tanh().sum() + (a * m.unsqueeze(1)).sum() + i.sum()
+
+    counter = _check(fn, torch.randn(4, 4))
+    assert counter["aten.mul"] >= 1  # tanh/mul backward
+    assert counter["aten.max"] == 0
+
+
+def test_write_through_a_view_is_seen_by_the_base():
+    def fn(x):
+        base = x * 3
+        base.detach()[0].zero_()  # writes base through a view created outside autograd
+        return (base.tanh() * 2).sum()
+
+    counter = _check(fn, torch.randn(3, 3))
+    # tanh is replayed from the written version of base, not from a replayed x * 3.
+    assert counter["aten.tanh"] == 1 and counter["aten.zero_"] == 0
+
+
+def test_saved_tensor_mutated_after_save_raises_unless_allowed():
+    x = torch.randn(4, requires_grad=True)
+    buf = torch.ones(4)
+    with ac.apply_ac_policy("recompute_all"):
+        y = (x * buf).exp().sum()  # exp is recomputed from x * buf, which needs buf
+    buf.add_(1)  # outside the region: the region input changed
+    with pytest.raises(RuntimeError, match=r"region input.*modified in place.*allow_cache_entry_mutation"):
+        y.backward()
+
+    buf = torch.ones(4)
+    with ac.apply_ac_policy("recompute_all", allow_cache_entry_mutation=True):
+        y = (x * buf).exp().sum()
+    buf.add_(1)
+    x.grad = None
+    y.backward()
+    assert torch.equal(x.grad, (x * buf).exp() * buf)
+
+
+def test_identity_preserved_for_saved_non_differentiable_tensors():
+    seen = {}
+
+    class Keep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, idx):
+            ctx.save_for_backward(idx)
+            seen["fwd"] = idx
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            (idx,) = ctx.saved_tensors
+            seen["bwd"] = idx
+            return g * 2, None
+
+    x = torch.randn(4, requires_grad=True)
+    with ac.apply_ac_policy("must_save_all"):
+        idx = torch.arange(4) * 2  # produced in the region, non-differentiable, not a view
+        y = Keep.apply(x, idx).sum()
+    y.backward()
+    assert seen["bwd"] is seen["fwd"]
+
+
+def test_two_tensor_subclass():
+    def fn(a):
+        return (a.sin() * a.cos()).exp().sum()
+
+    a = TwoTensor(torch.randn(3, 3), torch.randn(3, 3)).requires_grad_()
+    ref_a = TwoTensor(a.a.clone(), a.b.clone()).requires_grad_()
+    (ref,) = torch.autograd.grad(fn(ref_a), ref_a)
+    for policy in ("recompute_all", [aten.sin.default]):
+        with ac.apply_ac_policy(policy):
+            y = fn(a)
+        (got,) = torch.autograd.grad(y, a)
+        assert isinstance(got, TwoTensor)
+        assert torch.equal(got.a, ref.a) and torch.equal(got.b, ref.b)
+
+
+def test_sdpa_without_dropout_is_recomputed_with_dropout_saved():
+    q, k, v = (torch.randn(2, 2, 8, 4) for _ in range(3))
+
+    def attn(p):
+        def fn(q, k, v):
+            torch.manual_seed(3)
+            return F.scaled_dot_product_attention(q.sin(), k, v, dropout_p=p, is_causal=True).pow(2).sum()
+
+        return fn
+
+    counter = _check(attn(0.0), q, k, v)
+    sdpa = "aten._scaled_dot_product_flash_attention_for_cpu"
+    assert counter[sdpa] == 1  # dropout_p == 0: deterministic, recomputed
+    counter = _check(attn(0.0), q, k, v, policy="must_save_all")
+    assert counter[sdpa] == 0
+    # With dropout, CPU SDPA takes the math path (bernoulli_ writes the mask: saved);
+    # gradients stay bitwise equal under both RNG modes.
+    for rng in ("save", "replay"):
+        counter = _check(attn(0.3), q, k, v, rng=rng)
+        assert counter["aten.bernoulli_"] == 0 and counter["aten.bmm"] >= 1
+    # The fused kernels are random exactly when dropout_p != 0.
+    from ac2_dist.side_effects import op_info
+
+    for op in (
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+    ):
+        info = op_info(op)
+        idx = info.dropout_arg[0]
+        args = [None] * idx + [0.0]
+        assert info.is_rng and not info.is_random(tuple(args), {})
+        args[idx] = 0.1
+        assert info.is_random(tuple(args), {})
+        assert info.is_random((None,) * 3, {"dropout_p": 0.5})
+
+
+def test_rng_replay_uses_explicit_generator():
+    gen = torch.Generator().manual_seed(5)
+
+    def fn(x):
+        noise = torch.rand(x.shape, generator=gen)
+        return (x.exp() * noise).sigmoid().sum()
+
+    x = torch.randn(4, 4)
+    gen.manual_seed(5)
+    xr = x.clone().requires_grad_()
+    (ref,) = torch.autograd.grad(fn(xr), xr)
+    gen.manual_seed(5)
+    xa = x.clone().requires_grad_()
+    with ac.apply_ac_policy("recompute_all", rng="replay"):
+        y = fn(xa)
+    gen.manual_seed(99)  # state changed before backward: replay restores its own
+    state = gen.get_state()
+    with OpCounter() as counter:
+        (got,) = torch.autograd.grad(y, xa)
+    assert counter["aten.rand"] == 1 and torch.equal(got, ref)
+    assert torch.equal(gen.get_state(), state)  # and puts the caller's state back
