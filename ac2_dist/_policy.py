@@ -69,24 +69,25 @@ PolicyFn = Callable[..., Union[CheckpointPolicy, bool, SAVE_WITH_HOOKS]]
 PolicyLike = Union[str, PolicyFn, Iterable[torch._ops.OpOverload]]
 Decision = Union[CheckpointPolicy, SAVE_WITH_HOOKS]
 
-_MUST = frozenset({_CP.MUST_SAVE, _CP.MUST_RECOMPUTE, _CP.MUST_CPU_OFFLOAD})
-_SAVE_KINDS = frozenset(
-    {_CP.MUST_SAVE, _CP.PREFER_SAVE, _CP.MUST_CPU_OFFLOAD, _CP.PREFER_CPU_OFFLOAD}
-)
 _STRINGS: dict[str, CheckpointPolicy] = {
     "recompute_all": _CP.PREFER_RECOMPUTE,
     "must_save_all": _CP.MUST_SAVE,
 }
 
 
+# Identity comparisons, not set membership: Enum.__hash__ is a Python call (hot path).
+_MS, _PS, _MR = _CP.MUST_SAVE, _CP.PREFER_SAVE, _CP.MUST_RECOMPUTE
+_MO, _PO = _CP.MUST_CPU_OFFLOAD, _CP.PREFER_CPU_OFFLOAD
+
+
 def is_must(d: Decision) -> bool:
     """MUST_* results and SAVE_WITH_HOOKS are never overridden by a PREFER_*."""
-    return d in _MUST or isinstance(d, SAVE_WITH_HOOKS)
+    return d is _MS or d is _MR or d is _MO or type(d) is SAVE_WITH_HOOKS
 
 
 def is_save(d: Decision) -> bool:
     """True for every decision that keeps the output (save, offload, hooks)."""
-    return isinstance(d, SAVE_WITH_HOOKS) or d in _SAVE_KINDS
+    return d is _MS or d is _PS or d is _MO or d is _PO or type(d) is SAVE_WITH_HOOKS
 
 
 def _check_decision(result: Any, frame: _Frame, op: Any) -> Decision:
@@ -108,7 +109,9 @@ class _Frame:
     for the built-in forms (hot path).
     """
 
-    __slots__ = ("const", "save_set", "fn", "name", "rng", "allow_mutation", "module_fqn")
+    __slots__ = (
+        "const", "const_save", "save_set", "fn", "name", "rng", "allow_mutation", "module_fqn",
+    )
 
     def __init__(
         self, policy: PolicyLike, *, rng: str, allow_mutation: bool, module_fqn: str
@@ -128,6 +131,9 @@ class _Frame:
                     "a policy callable or an iterable of OpOverloads to save"
                 )
             self.const = _STRINGS[policy]
+            self.name = repr(policy)
+        elif isinstance(policy, bool):  # True: save everything, False: recompute everything
+            self.const = _CP.MUST_SAVE if policy else _CP.PREFER_RECOMPUTE
             self.name = repr(policy)
         elif isinstance(policy, (CheckpointPolicy, SAVE_WITH_HOOKS)):
             self.const = policy
@@ -153,6 +159,7 @@ class _Frame:
             self.name = f"save-list({', '.join(sorted(str(o) for o in ops))})"
         else:
             raise TypeError(f"ac2_dist: unsupported policy {policy!r}")
+        self.const_save = self.const is not None and is_save(self.const)
 
     def decide(self, ctx: PolicyContext, op: Any, args: tuple, kwargs: dict) -> Decision:
         if self.const is not None:

@@ -71,7 +71,9 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
     ops and (with ``rng="save"``) random ops are never re-executed.
 
     Args:
-        policy: ``"recompute_all"``, ``"must_save_all"``, a policy callable
+        policy: ``"recompute_all"``, ``"must_save_all"``, a bool (``True`` saves
+            everything, ``False`` recomputes everything), a ``CheckpointPolicy`` or
+            ``SAVE_WITH_HOOKS`` applied to every op, a policy callable
             ``(ctx, op, *args, **kwargs) -> CheckpointPolicy | bool | SAVE_WITH_HOOKS``
             (torch's selective-checkpoint signature), or an iterable of ``OpOverload``
             whose outputs are saved (everything else is recomputed).

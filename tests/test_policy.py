@@ -57,6 +57,15 @@ def test_save_list_policy_accepts_overloads_and_packets():
     assert counter["aten.sin"] == 0 and counter["aten.tanh"] == 0 and counter["aten.sigmoid"] == 1
 
 
+@pytest.mark.parametrize(
+    ("policy", "replayed"),
+    [(True, 0), (False, 1), (CP.MUST_SAVE, 0), (CP.PREFER_RECOMPUTE, 1), (CP.MUST_CPU_OFFLOAD, 0)],
+)
+def test_constant_region_policies(policy, replayed):
+    counter = _backward_ops(policy)
+    assert counter["aten.sin"] == replayed and counter["aten.tanh"] == replayed
+
+
 def test_bool_policy_maps_true_to_save():
     counter = _backward_ops(lambda ctx, op, *a, **k: op is aten.tanh.default)
     assert counter["aten.tanh"] == 0 and counter["aten.sigmoid"] == 1
