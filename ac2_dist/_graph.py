@@ -222,16 +222,21 @@ class TensorMap:
     on the tracer's hot path.
     """
 
-    __slots__ = ("_d", "_cb")
+    __slots__ = ("_d", "_cb", "__weakref__")
 
     def __init__(self) -> None:
-        d: dict[int, tuple] = {}
-        self._d = d
+        self._d: dict[int, tuple] = {}
+        # The callback must not reference the map strongly: entries hold weakrefs
+        # whose callback is this function, and a strong path back would make a cycle
+        # that keeps every entry (and its node's saved values) alive until gc runs.
+        this = weakref.ref(self)
 
-        def _dead(ref: _KeyedRef, d: dict = d) -> None:
-            e = d.get(ref.key)
-            if e is not None and e[0] is ref:
-                del d[ref.key]
+        def _dead(ref: _KeyedRef) -> None:
+            owner = this()
+            if owner is not None:
+                e = owner._d.get(ref.key)
+                if e is not None and e[0] is ref:
+                    del owner._d[ref.key]
 
         self._cb = _dead
 

@@ -98,6 +98,48 @@ def measure_flops(model, x, runner) -> int:
     return both.get_total_flops() - fwd.get_total_flops()
 
 
+def tracer_overhead_us(n_ops: int = 3000, reps: int = 5) -> dict[str, float]:
+    """Forward cost per tiny op (8x8 tensors) above plain eager, in microseconds.
+
+    Isolates the per-op Python cost of each mode's forward machinery: the ac2 tracer
+    vs torch SAC's caching dispatch mode (torch full AC has no per-op forward hook).
+    """
+    x = torch.randn(8, 8, requires_grad=True)
+
+    def chain():
+        h = x
+        for i in range(n_ops // 2):
+            h = (h * 0.5).sin() if i % 2 else h + x
+        return h.sum()
+
+    def best(fn):
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return min(out)
+
+    def in_region(policy):
+        def run():
+            with ac.apply_ac_policy(policy):
+                chain()
+        return run
+
+    def torch_sac():
+        ctx_fn = functools.partial(create_selective_checkpoint_contexts, SAVE_OPS)
+        checkpoint(lambda: chain(), use_reentrant=False, context_fn=ctx_fn)
+
+    eager = best(chain)
+    cases = {
+        "torch-full": lambda: checkpoint(lambda: chain(), use_reentrant=False),
+        "torch-sac": torch_sac,
+        "ac2-full": in_region("recompute_all"),
+        "ac2-sac": in_region(SAVE_OPS),
+    }
+    return {name: (best(fn) - eager) / n_ops * 1e6 for name, fn in cases.items()}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
@@ -109,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--json", default=None, help="write the figures to this file")
+    p.add_argument("--no-micro", action="store_true", help="skip the per-op overhead micro-benchmark")
     args = p.parse_args(argv)
     modes = args.modes.split(",")
 
@@ -155,7 +198,11 @@ def main(argv: list[str] | None = None) -> dict:
     for name, r in ratios.items():
         print(f"{name:<22} peak {r['peak']:.3f}x  kept {r['kept_after_forward']:.3f}x  "
               f"bwd FLOPs {r['backward_flops']:.3f}x  step {r['step_time']:.3f}x")
-    out = {"config": vars(args), "results": results, "ratios": ratios,
+    overhead = {} if args.no_micro else tracer_overhead_us()
+    if overhead:
+        print("forward overhead per tiny op above eager (us): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in overhead.items()))
+    out = {"config": vars(args), "results": results, "ratios": ratios, "overhead_us_per_op": overhead,
            "torch": torch.__version__, "threads": torch.get_num_threads()}
     if args.json:
         with open(args.json, "w") as f:

@@ -98,8 +98,9 @@ def test_each_op_replayed_at_most_once_per_backward_gpt(policy):
     assert region.stats.cached_bytes == 0
 
 
-def _live_nodes() -> int:
-    gc.collect()
+def _live_nodes(collect: bool = True) -> int:
+    if collect:
+        gc.collect()
     return sum(1 for o in gc.get_objects() if type(o) is Node)
 
 
@@ -123,6 +124,28 @@ def test_nothing_of_a_region_outlives_its_autograd_graph():
     y.backward()
     del y
     assert _live_nodes() == base
+
+
+def test_graph_freed_by_refcount_alone():
+    """No reference cycle: dropping the outputs frees every node without the cyclic gc
+    (a cycle would hold saved activations until some later collection)."""
+    model = GPT(layers=1)
+    x = torch.randn(2, 8, 32)
+    base = _live_nodes()
+    gc.disable()
+    try:
+        for policy in ("recompute_all", [torch.ops.aten.addmm.default], "must_save_all"):
+            with ac.apply_ac_policy(policy):
+                y = model(x).sum()
+            del y
+            assert _live_nodes(collect=False) == base
+            with ac.apply_ac_policy(policy):
+                y = model(x).sum()
+            y.backward()
+            del y
+            assert _live_nodes(collect=False) == base
+    finally:
+        gc.enable()
 
 
 def test_no_leak_over_500_iterations():
