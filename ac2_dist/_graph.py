@@ -47,7 +47,6 @@ from typing import Any
 import torch
 
 from ._policy import SAVE_WITH_HOOKS, Decision
-from .side_effects import OpInfo
 
 _CP = torch.utils.checkpoint.CheckpointPolicy
 _OFFLOAD = frozenset({_CP.MUST_CPU_OFFLOAD, _CP.PREFER_CPU_OFFLOAD})

@@ -9,7 +9,7 @@ then asks :func:`resolve` for each op and gets back a :data:`Decision`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
@@ -65,9 +65,9 @@ class PolicyContext(SelectiveCheckpointContext):
         self.rank = rank
 
 
-PolicyFn = Callable[..., Union[CheckpointPolicy, bool, SAVE_WITH_HOOKS]]
-PolicyLike = Union[str, PolicyFn, Iterable[torch._ops.OpOverload]]
-Decision = Union[CheckpointPolicy, SAVE_WITH_HOOKS]
+PolicyFn = Callable[..., CheckpointPolicy | bool | SAVE_WITH_HOOKS]
+PolicyLike = str | bool | PolicyFn | Iterable[torch._ops.OpOverload]
+Decision = CheckpointPolicy | SAVE_WITH_HOOKS
 
 _STRINGS: dict[str, CheckpointPolicy] = {
     "recompute_all": _CP.PREFER_RECOMPUTE,

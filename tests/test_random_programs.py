@@ -113,7 +113,7 @@ def policies(draw):
 def _run(program, inputs, regions, tag_outputs):
     x, y, w = inputs
     vals = [x, y]
-    for k, (name, i, j, tag) in enumerate(program):
+    for name, i, j, tag in program:
         arity, fn = OPS[name]
         a = vals[i % len(vals)]
         b = vals[j % len(vals)] if arity == 2 else None
