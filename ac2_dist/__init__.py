@@ -22,6 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ._graph import GraphStats
 from ._policy import SAVE_WITH_HOOKS, PolicyContext
 from ._region import apply_ac_policy, apply_ac_policy_fn, is_checkpoint_enabled, tag_with_policy
+from .side_effects import register_side_effect
 
 __all__ = [
     "CheckpointPolicy",
@@ -31,6 +32,7 @@ __all__ = [
     "apply_ac_policy",
     "apply_ac_policy_fn",
     "is_checkpoint_enabled",
+    "register_side_effect",
     "tag_with_policy",
 ]
 

@@ -32,9 +32,15 @@ from ._policy import PolicyContext, is_save, resolve
 from ._replay import default_generator
 from .side_effects import _INFO, SideEffect, op_info
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # torch built without distributed
+    _DTensor = None
+
 _CP = torch.utils.checkpoint.CheckpointPolicy
 _Tensor = torch.Tensor
 _NONE = SideEffect.NONE
+_COMMUNICATING = (SideEffect.COLLECTIVE, SideEffect.FSDP, SideEffect.REGISTERED)
 _PLAIN_RESULTS = (int, float, bool, complex, torch.SymInt, torch.SymFloat, torch.SymBool, torch.dtype, torch.device)
 
 
@@ -44,6 +50,41 @@ def _rng_device(args: tuple, kwargs: dict) -> torch.device:
             return a.device
     dev = kwargs.get("device")
     return torch.device(dev) if dev is not None else torch.device("cpu")
+
+
+class _CollectiveProbe(TorchDispatchMode):
+    """Watches what a tensor subclass's ``__torch_dispatch__`` runs underneath.
+
+    Note [Subclasses hide collectives]
+        The tracer sees ``aten.tanh(DTensor)``; DTensor's own dispatch then may
+        redistribute (issue collectives) before the local op. Replaying the recorded
+        op would issue those collectives again in backward. So ops with subclass
+        arguments (``types`` non-empty; plain tensors pass an empty tuple) run under
+        this probe, and one that issued a collective is recorded as a side effect.
+        The probe answers ``NotImplemented`` for DTensor-typed calls: DTensor's
+        handler then runs *with the probe still active*, so the probe sees the ops it
+        issues underneath (a mode that handled the call itself would be popped while
+        the subclass runs, and would see nothing). Other subclasses (fake tensors of
+        DTensor's sharding propagation, AsyncCollectiveTensor, TwoTensor...) are run
+        directly: the probe only looks through DTensor.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hit: Any = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if types and _DTensor is not None and any(issubclass(t, _DTensor) for t in types):
+            return NotImplemented
+        if self.hit is None:
+            info = _INFO.get(func) or op_info(func)
+            if info.side_effect in _COMMUNICATING:
+                self.hit = func
+        return func(*args, **(kwargs or {}))
 
 
 class Tracer(TorchDispatchMode):
@@ -61,6 +102,7 @@ class Tracer(TorchDispatchMode):
         self.graph = graph
         self.state = state
         self.ctx = ctx
+        self.probe = _CollectiveProbe()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: C901 - hot path
         if kwargs is None:
@@ -79,7 +121,15 @@ class Tracer(TorchDispatchMode):
             gen = info.generator(args, kwargs) or default_generator(_rng_device(args, kwargs))
             rng = (gen, gen.get_state())
 
-        out = func(*args, **kwargs)
+        hidden = None
+        if types:  # a tensor subclass will dispatch further (Note [Subclasses hide collectives])
+            probe = self.probe
+            probe.hit = None
+            with probe:
+                out = func(*args, **kwargs)
+            hidden = probe.hit
+        else:
+            out = func(*args, **kwargs)
 
         # ---- decide (Note [What the tracer decides per op]) ----------------------
         if info.ignored:
@@ -101,7 +151,9 @@ class Tracer(TorchDispatchMode):
         side = info.side_effect
         reason = "policy"
         if side is _NONE:
-            if writes:
+            if hidden is not None:
+                side = SideEffect.COLLECTIVE
+            elif writes:
                 side = SideEffect.MUTATION
             elif random and rng is None:
                 side = SideEffect.RNG
@@ -113,9 +165,10 @@ class Tracer(TorchDispatchMode):
             reason = "rng" if side is SideEffect.RNG else "side_effect"
             if decision is _CP.MUST_RECOMPUTE:
                 hint = " (or pass rng='replay' to the region)" if side is SideEffect.RNG else ""
+                via = f" (its tensor subclass issued {hidden})" if hidden is not None else ""
                 raise RuntimeError(
                     f"ac2_dist: the policy returned MUST_RECOMPUTE for {func}, which is a "
-                    f"{side.value} op and is never replayed during backward (CONTRACT §3). "
+                    f"{side.value} op{via} and is never replayed during backward (CONTRACT §3). "
                     f"Return a save or PREFER_* policy for it{hint}."
                 )
             if not save:
@@ -189,8 +242,13 @@ class Tracer(TorchDispatchMode):
     @staticmethod
     def _new_versions(graph: Graph, info, args, kwargs, flat, allow: bool) -> None:
         returned = {id(o) for o in flat if isinstance(o, _Tensor)}
+        owner = f"tensor written by {info.op}"
         for pos in info.written:
-            w = args[pos] if type(pos) is int and pos < len(args) else kwargs.get(pos)
-            for t in w if isinstance(w, (list, tuple)) else (w,):
-                if isinstance(t, _Tensor) and id(t) not in returned:
-                    graph.leaf(t, _CP.MUST_SAVE, "side_effect", allow, f"tensor written by {info.op}")
+            stack = [args[pos] if type(pos) is int and pos < len(args) else kwargs.get(pos)]
+            while stack:  # a tensor, a list of tensors or (allgather_) a list of lists
+                w = stack.pop()
+                if isinstance(w, _Tensor):
+                    if id(w) not in returned:
+                        graph.leaf(w, _CP.MUST_SAVE, "side_effect", allow, owner)
+                elif isinstance(w, (list, tuple)):
+                    stack.extend(w)

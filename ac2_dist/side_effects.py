@@ -21,7 +21,13 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-__all__ = ["SideEffect", "OpInfo", "op_info", "COLLECTIVE_NAMESPACES"]
+__all__ = [
+    "SideEffect",
+    "OpInfo",
+    "op_info",
+    "register_side_effect",
+    "COLLECTIVE_NAMESPACES",
+]
 
 #: Namespaces whose ops talk to other ranks or to FSDP's buffers. Never replayed.
 COLLECTIVE_NAMESPACES = frozenset(
@@ -38,6 +44,7 @@ class SideEffect(enum.Enum):
     MUTATION = "mutation"  # writes one of its inputs (in-place or out=)
     RNG = "rng"  # draws from a generator (only a side effect when rng="save")
     OPAQUE = "opaque"  # no schema, or returns objects that are not tensors / numbers
+    REGISTERED = "registered side-effect"  # declared with register_side_effect
 
 
 def _is_tensor_type(t: torch._C.JitType) -> bool:
@@ -104,6 +111,64 @@ class OpInfo:
 
 _INFO: dict[torch._ops.OpOverload, OpInfo] = {}
 
+
+class _Registry:
+    """Ops and namespaces users declared as side effects (``register_side_effect``).
+
+    Note [The side-effect registry is process-wide]
+        Like ``torch.library`` registrations, declaring that an op talks to the
+        outside world is a fact about the op, not about a thread or a region, so the
+        registry is one object per process. Registering clears the op-info memo so the
+        next lookup sees the new class.
+    """
+
+    def __init__(self) -> None:
+        self.namespaces: set[str] = set()
+        self.ops: set[str] = set()  # "ns::name" (all overloads) or "ns::name.overload"
+
+    def matches(self, op: torch._ops.OpOverload) -> bool:
+        if not (self.namespaces or self.ops):
+            return False
+        name = op._schema.name
+        return (
+            op.namespace in self.namespaces
+            or name in self.ops
+            or f"{name}.{op._overloadname}" in self.ops
+        )
+
+
+_REGISTRY = _Registry()
+
+
+def register_side_effect(op_or_namespace: torch._ops.OpOverload | torch._ops.OpOverloadPacket | str) -> None:
+    """Declare an op (or every op of a namespace) a side effect: never replayed.
+
+    Use it for custom ops that talk to other ranks, devices or the outside world
+    (e.g. a hand-written collective registered with ``torch.library``)::
+
+        ac.register_side_effect(torch.ops.mylib.all_to_all.default)  # one overload
+        ac.register_side_effect(torch.ops.mylib.all_to_all)          # all overloads
+        ac.register_side_effect("mylib")                             # a namespace
+        ac.register_side_effect("mylib::all_to_all")                 # by name
+
+    Their outputs are saved whatever the policy says, like built-in collectives.
+    """
+    if isinstance(op_or_namespace, torch._ops.OpOverload):
+        _REGISTRY.ops.add(f"{op_or_namespace._schema.name}.{op_or_namespace._overloadname}")
+    elif isinstance(op_or_namespace, torch._ops.OpOverloadPacket):
+        _REGISTRY.ops.add(op_or_namespace._qualified_op_name)
+    elif isinstance(op_or_namespace, str) and op_or_namespace:
+        if "::" in op_or_namespace:
+            _REGISTRY.ops.add(op_or_namespace)
+        else:
+            _REGISTRY.namespaces.add(op_or_namespace)
+    else:
+        raise TypeError(
+            "ac2_dist.register_side_effect takes an OpOverload, an OpOverloadPacket, an op "
+            f"name 'ns::op' or a namespace 'ns', got {op_or_namespace!r}"
+        )
+    _INFO.clear()
+
 # Note [Schemas that hide writes]
 #     These ops update ``running_mean`` / ``running_var`` (arguments 3 and 4) in place
 #     when ``training`` (argument 5) is true, but their schemas carry no ``(a!)``
@@ -146,8 +211,15 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
     hidden = _UNDECLARED_WRITES.get(schema.name) if not schema.overload_name else None
     if hidden is not None:
         written, write_flag = list(hidden[0]), hidden[1]
+    elif op.namespace == "c10d" and schema.name.endswith("_") and schema.arguments:
+        # Legacy in-place collectives (allreduce_, broadcast_, _allgather_base_, ...) write
+        # their first argument (a tensor, a list or a list of lists) without an (a!)
+        # annotation: that argument gets a new version (Note [Schemas that hide writes]).
+        written = [0]
     returns_alias = any(r.alias_info is not None for r in schema.returns)
     side_effect = _classify_namespace(op.namespace)
+    if side_effect is SideEffect.NONE and _REGISTRY.matches(op):
+        side_effect = SideEffect.REGISTERED
     if side_effect is SideEffect.NONE and any(
         isinstance(r.type, (torch._C.ClassType, torch._C.AnyType)) for r in schema.returns
     ):

@@ -235,3 +235,60 @@ def test_rng_replay_uses_explicit_generator():
         (got,) = torch.autograd.grad(y, xa)
     assert counter["aten.rand"] == 1 and torch.equal(got, ref)
     assert torch.equal(gen.get_state(), state)  # and puts the caller's state back
+
+
+_TICKS = []
+
+
+@torch.library.custom_op("ac2test::tick", mutates_args=())
+def _tick(x: torch.Tensor) -> torch.Tensor:
+    _TICKS.append(1)  # an effect the op has on the outside world
+    return x * 2
+
+
+_tick.register_autograd(lambda ctx, g: g * 2)
+
+
+def test_register_side_effect_custom_op_never_replayed():
+    from ac2_dist.side_effects import SideEffect, op_info
+
+    def fn(x):
+        return torch.ops.ac2test.tick(x.sin()).tanh().sum()
+
+    x = torch.randn(4, requires_grad=True)
+    with ac.apply_ac_policy("recompute_all"):
+        y = fn(x)
+    _TICKS.clear()
+    y.backward()
+    assert len(_TICKS) == 1  # unregistered: an ordinary op, replayed for tanh's backward
+
+    ac.register_side_effect("ac2test::tick")
+    assert op_info(torch.ops.ac2test.tick.default).side_effect is SideEffect.REGISTERED
+    x.grad = None
+    with ac.apply_ac_policy("recompute_all"):
+        y = fn(x)
+    _TICKS.clear()
+    y.backward()
+    assert _TICKS == []  # registered: its output is saved
+    with pytest.raises(RuntimeError, match="MUST_RECOMPUTE for ac2test.tick"):
+        with ac.apply_ac_policy(lambda ctx, op, *a, **k: ac.CheckpointPolicy.MUST_RECOMPUTE):
+            fn(x)
+    with pytest.raises(TypeError):
+        ac.register_side_effect(42)
+
+
+def test_side_effect_classification():
+    from ac2_dist.side_effects import SideEffect, op_info
+
+    c10d = torch.ops.c10d
+    assert op_info(torch.ops._c10d_functional.all_reduce.default).side_effect is SideEffect.COLLECTIVE
+    assert op_info(torch.ops._c10d_functional.wait_tensor.default).side_effect is SideEffect.COLLECTIVE
+    assert op_info(c10d.allreduce_.default).written == (0,)  # schema hides the write
+    assert op_info(c10d._allgather_base_.default).written == (0,)
+    assert op_info(aten.add_.Tensor).side_effect is SideEffect.MUTATION
+    assert op_info(aten.add.out).written == ("out",)
+    assert op_info(aten.native_batch_norm.default).writes((None,) * 5 + (True,))
+    assert not op_info(aten.native_batch_norm.default).writes((None,) * 5 + (False,))
+    assert op_info(aten.sin.default).side_effect is SideEffect.NONE
+    assert op_info(aten.detach.default).ignored
+    assert op_info(aten.split.Tensor).returns_alias

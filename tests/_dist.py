@@ -1,0 +1,79 @@
+"""Run a function on several gloo ranks in spawned processes, bounded by a timeout."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(fn: Callable, rank: int, world: int, store: str, queue: Any, args: tuple) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        try:
+            result = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        queue.put((rank, "ok", result))
+    except BaseException:  # reported to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn: Callable, *args: Any, world: int = 2, timeout: float = 180.0) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks; returns results by rank.
+
+    Raises with every failing rank's traceback, or on timeout (processes are killed:
+    a hang fails the test instead of blocking the suite).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, queue, args), daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        import queue as queue_mod
+        import time
+
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) + len(errors) < world:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"ranks did not finish within {timeout:.0f}s (hang?)")
+                try:
+                    rank, status, value = queue.get(timeout=min(left, 5.0))
+                except queue_mod.Empty:
+                    dead = [p for p in procs if p.exitcode not in (None, 0)]
+                    if dead:
+                        raise RuntimeError(f"rank process died with exit code {dead[0].exitcode}") from None
+                    continue
+                if status == "ok":
+                    results[rank] = value
+                else:
+                    errors.append(f"rank {rank}:\n{value}")
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return [results[r] for r in range(world)]
