@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from ._policy import SAVE_WITH_HOOKS, Decision
+from .fsdp import ensure_unsharded
 
 _CP = torch.utils.checkpoint.CheckpointPolicy
 _OFFLOAD = frozenset({_CP.MUST_CPU_OFFLOAD, _CP.PREFER_CPU_OFFLOAD})
@@ -156,6 +157,8 @@ class Node:
         "scheduled",
         "rng",
         "fqn",
+        "must_recompute",
+        "fsdp_unit",
         "__weakref__",
     )
 
@@ -173,6 +176,8 @@ class Node:
         self.scheduled = False
         self.rng: tuple[torch.Generator, torch.Tensor] | None = None
         self.fqn = fqn
+        self.must_recompute = False  # the policy said MUST_RECOMPUTE: never made a boundary
+        self.fsdp_unit: weakref.ref | None = None  # leaf = unsharded param of this FSDP unit
 
     def __repr__(self) -> str:
         return f"Node({self.op or 'input'}, seq={self.seq})"
@@ -324,17 +329,62 @@ class Graph:
             self.leaf(t, decision, "tagged", allow_mutation, owner="tagged tensor")
             return
         _, node, idx, _ = e
+        self._save_in_place(node, idx, t, decision, "tagged", allow_mutation)
+
+    def boundary(self, t: torch.Tensor) -> None:
+        """Save ``t`` as a region boundary (Note [FSDP units are region boundaries])."""
+        e = self.map.get(t)
+        if e is None or e[3] != t._version:
+            return  # unknown here: a region input, already a saved leaf
+        _, node, idx, _ = e
+        if node.must_recompute or (node.saved is not None and node.saved[idx] is not None):
+            return
+        self._save_in_place(node, idx, t, _CP.MUST_SAVE, "boundary", False)
+
+    def mark_fsdp_params(self, params: list[torch.Tensor], unit: Any) -> None:
+        """Leaves that are ``unit``'s unsharded parameters unshard it before use."""
+        ref = None
+        for p in params:
+            e = self.map.get(p)
+            if e is not None and e[1].op is None:
+                e[1].fsdp_unit = ref = ref or weakref.ref(unit)
+
+    def _save_in_place(self, node: Node, idx: int, t: torch.Tensor, decision: Decision, reason: str, allow: bool) -> None:
         keep = node.op is None or not (t.is_floating_point() or t.is_complex())
-        owner = "tagged region input" if node.op is None else f"tagged output of {node.op}"
-        saved = Saved(
-            t, decision, reason="tagged", allow_mutation=allow_mutation, keep_identity=keep, owner=owner
+        owner = f"{reason} region input" if node.op is None else f"{reason} output of {node.op}"
+        node.set_saved(
+            idx, Saved(t, decision, reason=reason, allow_mutation=allow, keep_identity=keep, owner=owner)
         )
-        node.set_saved(idx, saved)
+        if node.op is None:
+            return
+        if node.scheduled and not any(
+            p > 0 and node.saved[i] is None for i, p in enumerate(node.pending)
+        ):
+            # Armed for a compute that will not happen any more: give the inputs back
+            # their pending uses (the exact reverse of arm()).
+            node.scheduled = False
+            for _, m, j in node.inputs:
+                self._disarm(m, j)
         if not node.scheduled and all(s is not None for s in node.saved):
             # Fully saved now: recompute never passes through it, let its inputs go.
             node.inputs = []
             node.args = ()
             node.kwargs = {}
+
+    def _disarm(self, node: Node, idx: int) -> None:
+        stack = [(node, idx)]
+        while stack:
+            n, i = stack.pop()
+            if n.saved is not None and n.saved[i] is not None:
+                continue
+            n.pending[i] -= 1
+            if (
+                n.scheduled
+                and n.values is None
+                and not any(p > 0 and (n.saved is None or n.saved[k] is None) for k, p in enumerate(n.pending))
+            ):
+                n.scheduled = False
+                stack.extend((m, j) for _, m, j in n.inputs)
 
     def pack(self, t: torch.Tensor) -> Handle:
         # Autograd may save an op's inputs before the tracer sees the op: a region input
@@ -364,6 +414,8 @@ class Graph:
         """Hand ``node[idx]`` to one consumer; drop the cached value at its last use."""
         if node.saved is not None and node.saved[idx] is not None:
             s = node.saved[idx]
+            if node.fsdp_unit is not None:
+                ensure_unsharded(node.fsdp_unit)
             if self.create_graph and s.detached:
                 raise RuntimeError(
                     f"ac2_dist: backward with create_graph=True needs the saved {s.owner} with "

@@ -28,6 +28,7 @@ from ._graph import Graph, GraphStats
 from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, _Frame, is_save
 from ._replay import InlineExecutor
 from ._tracer import Tracer
+from .fsdp import is_fsdp_unit, unsharded_params
 
 __all__ = [
     "apply_ac_policy",
@@ -111,12 +112,17 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
             hooks = torch.autograd.graph.saved_tensors_hooks(graph.pack, _unpack)
             hooks.__enter__()
             try:
-                tracer.__enter__()
+                module_hook = torch.nn.modules.module.register_module_forward_hook(_unit_boundary)
+                try:
+                    tracer.__enter__()
+                except BaseException:
+                    module_hook.remove()
+                    raise
             except BaseException:
                 hooks.__exit__(None, None, None)
                 raise
             st.graph = graph
-            self._installed = (graph, tracer, hooks)
+            self._installed = (graph, tracer, hooks, module_hook)
             self.stats = graph.stats
         elif self._installed is not None:
             raise RuntimeError("ac2_dist: this apply_ac_policy object is already active")
@@ -133,18 +139,35 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
         st.owners.pop()
         st.frames.pop()
         if self._installed is not None:
-            graph, tracer, hooks = self._installed
+            graph, tracer, hooks, module_hook = self._installed
             self._installed = None
             st.graph = None
             graph.map = None
             try:
                 tracer.__exit__(exc_type, exc, tb)
             finally:
+                module_hook.remove()
                 hooks.__exit__(exc_type, exc, tb)
 
 
 def _unpack(handle: Any) -> Any:
     return handle.graph.unpack(handle)
+
+
+def _unit_boundary(module: torch.nn.Module, args: Any, output: Any) -> None:
+    """Global forward hook while a region is active (process-wide, filtered by thread).
+
+    Runs after an FSDP unit's forward and before FSDP's own post-forward reshards it:
+    marks the unit's unsharded parameters and saves the unit's outputs (Note [FSDP
+    units are region boundaries] in fsdp.py).
+    """
+    graph = _thread_state().graph
+    if graph is None or graph.map is None or not is_fsdp_unit(module):
+        return
+    graph.mark_fsdp_params(unsharded_params(module), module)
+    for t in torch.utils._pytree.tree_leaves(output):
+        if isinstance(t, torch.Tensor):
+            graph.boundary(t)
 
 
 def apply_ac_policy_fn(

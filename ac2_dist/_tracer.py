@@ -179,6 +179,7 @@ class Tracer(TorchDispatchMode):
         if not save:
             node = self._recomputable(graph, func, info, args, kwargs, len(flat), inner)
             node.rng = rng
+            node.must_recompute = decision is _CP.MUST_RECOMPUTE
         else:
             node = graph.new_node(func, len(flat), inner.module_fqn)
             graph.stats.saved_nodes += 1

@@ -1,0 +1,72 @@
+"""The one place that reads FSDP2 (``fully_shard``) state.
+
+ac2_dist needs three facts from FSDP2: which modules are FSDP units, which tensors
+are a unit's unsharded parameters, and whether a unit is currently unsharded; and one
+action: unshard a unit. They go through FSDP2's public ``FSDPModule`` API where it
+exists (``unshard``) and through the private state below otherwise, so a torch upgrade
+that moves FSDP2 internals touches this file only.
+
+Note [FSDP units are region boundaries]
+    Inside a region that encloses FSDP unit calls (one region around a whole FSDP
+    model, or a block region whose attention and MLP are their own units), the
+    outputs of every unit are saved. Recompute therefore never runs past a unit
+    boundary: the ops a handle of unit U replays read U's parameters only, and U is
+    unsharded while its backward runs (FSDP's pre-backward), so no unit is gathered
+    twice. A policy that says MUST_RECOMPUTE for the op producing a unit output
+    overrides this (the replay may then need another unit's parameters: see Note
+    [Replays unshard what they read]).
+
+Note [Replays unshard what they read]
+    Leaves that are a unit's unsharded parameters remember their unit. When a replay
+    takes such a leaf while the unit is resharded, it first calls the unit's
+    ``unshard()`` (a blocking all-gather into the same parameter storage); FSDP's own
+    pre-backward then finds the unit unsharded and does not gather again, and its
+    post-backward reshards as usual. FSDP preserves the parameters' version counters
+    across its all-gathers, so the version check of saved values still holds.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # torch built without distributed
+    FSDPModule = None  # type: ignore[assignment,misc]
+
+__all__ = ["is_fsdp_unit", "unsharded_params", "is_unsharded", "ensure_unsharded"]
+
+
+def is_fsdp_unit(module: nn.Module) -> bool:
+    """True if ``fully_shard`` was applied to ``module`` (it owns a parameter group)."""
+    return FSDPModule is not None and isinstance(module, FSDPModule) and _group(module) is not None
+
+
+def _group(module: nn.Module) -> Any:
+    state = module._get_fsdp_state()
+    return getattr(state, "_fsdp_param_group", None)
+
+
+def unsharded_params(module: nn.Module) -> list[torch.Tensor]:
+    """The unit's unsharded parameters (the tensors its forward reads), if created."""
+    group = _group(module)
+    if group is None:
+        return []
+    return [fp._unsharded_param for fp in group.fsdp_params if hasattr(fp, "_unsharded_param")]
+
+
+def is_unsharded(module: nn.Module) -> bool:
+    group = _group(module)
+    return group is None or group.is_unsharded
+
+
+def ensure_unsharded(unit_ref: weakref.ref) -> None:
+    """Unshard the unit if it is resharded (Note [Replays unshard what they read])."""
+    module = unit_ref()
+    if module is None or is_unsharded(module):
+        return
+    module.unshard()  # async_op=False: returns once the parameters hold their data
