@@ -20,6 +20,7 @@ See ``help(ac2_dist.apply_ac_policy)`` and the README for policies and nesting.
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ._graph import GraphStats
+from ._modules import apply_ac, unwrap, wrap
 from ._policy import SAVE_WITH_HOOKS, PolicyContext
 from ._region import apply_ac_policy, apply_ac_policy_fn, is_checkpoint_enabled, tag_with_policy
 from .side_effects import register_side_effect
@@ -29,11 +30,14 @@ __all__ = [
     "GraphStats",
     "PolicyContext",
     "SAVE_WITH_HOOKS",
+    "apply_ac",
     "apply_ac_policy",
     "apply_ac_policy_fn",
     "is_checkpoint_enabled",
     "register_side_effect",
     "tag_with_policy",
+    "unwrap",
+    "wrap",
 ]
 
 __version__ = "0.1.0"

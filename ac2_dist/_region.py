@@ -103,6 +103,15 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
         self._installed: tuple[Any, ...] | None = None
         self.stats: GraphStats | None = None
 
+    @classmethod
+    def _from_frame(cls, frame: _Frame) -> apply_ac_policy:
+        """A region for an already validated policy frame (module wrappers: no re-parse)."""
+        self = cls.__new__(cls)
+        self._frame = frame
+        self._installed = None
+        self.stats = None
+        return self
+
     def __enter__(self) -> apply_ac_policy:
         st = _thread_state()
         if st.graph is None:
