@@ -19,6 +19,7 @@ See ``help(ac2_dist.apply_ac_policy)`` and the README for policies and nesting.
 
 from torch.utils.checkpoint import CheckpointPolicy
 
+from . import fsdp, memory
 from ._graph import GraphStats
 from ._modules import apply_ac, unwrap, wrap
 from ._policy import SAVE_WITH_HOOKS, PolicyContext
@@ -33,7 +34,9 @@ __all__ = [
     "apply_ac",
     "apply_ac_policy",
     "apply_ac_policy_fn",
+    "fsdp",
     "is_checkpoint_enabled",
+    "memory",
     "register_side_effect",
     "tag_with_policy",
     "unwrap",

@@ -43,7 +43,10 @@ class AllocationTrace:
     """
 
     device_type: str = "cpu"
+    #: op names whose calls are recorded (time_ns, name) in ``calls`` (e.g. all-gathers)
+    watch: frozenset = frozenset()
     events: list[tuple[int, int]] = field(default_factory=list)  # (time_ns, +/- bytes)
+    calls: list[tuple[int, str]] = field(default_factory=list)
     marks: list[tuple[int, str]] = field(default_factory=list)
     phases: dict[str, Phase] = field(default_factory=dict)
     whole: Phase = field(default_factory=Phase)
@@ -64,6 +67,7 @@ class AllocationTrace:
     def __exit__(self, *exc: Any) -> None:
         self._prof.__exit__(*exc)
         want = self.device_type
+        open_calls: dict[tuple[str, int], int] = {}  # (name, thread) -> end of the outer call
         for e in self._prof.profiler.kineto_results.events():
             name = e.name()
             if name == "[memory]":
@@ -71,10 +75,22 @@ class AllocationTrace:
                     self.events.append((e.start_ns(), e.nbytes()))
             elif name.startswith(_MARK_PREFIX):
                 self.marks.append((e.start_ns(), name[len(_MARK_PREFIX):]))
+            elif name in self.watch:
+                # A watched op may appear again nested inside its own event (dispatcher
+                # re-entry): count only the outermost one per thread.
+                key, start = (name, e.start_thread_id()), e.start_ns()
+                if start > open_calls.get(key, -1):
+                    open_calls[key] = e.end_ns()
+                    self.calls.append((start, name))
         self._prof = None
         self.events.sort()
         self.marks.sort()
         self._summarize()
+
+    def calls_after(self, mark: str) -> int:
+        """Number of watched calls that started after the first ``mark``."""
+        t0 = next((t for t, name in self.marks if name == mark), None)
+        return 0 if t0 is None else sum(1 for t, _ in self.calls if t >= t0)
 
     def _summarize(self) -> None:
         bounds = self.marks + [(2**63, "")]

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -79,6 +79,8 @@ class GraphStats:
     peak_cached_bytes: int = 0
     replay_seconds: float = 0.0
     backward_epochs: int = 0
+    collectives: int = 0  # collective / FSDP / registered ops recorded (never replayed)
+    recomputed_by_module: dict[str, int] = field(default_factory=dict)  # only while tracked
 
 
 class Saved:
@@ -290,6 +292,7 @@ class Graph:
         self.executor = executor
         self.create_graph = False  # set by the executor around each realize
         self.frames = frames  # the policy frames of the thread that records (forward)
+        self.tracker: Any = None  # an active ac2_dist.memory.Tracker, if any
 
     # ---- forward side -------------------------------------------------------------
     def new_node(self, op: Any, nout: int, fqn: str = "") -> Node:
@@ -306,7 +309,7 @@ class Graph:
         owner: str = "region input",
     ) -> Node:
         """A saved node holding ``t`` as it is now (a region input or a new version)."""
-        node = self.new_node(None, 1)
+        node = self.new_node(None, 1, self.frames[-1].module_fqn if self.frames else "")
         saved = Saved(
             t, decision, reason=reason, allow_mutation=allow_mutation, keep_identity=True, owner=owner
         )
@@ -474,6 +477,7 @@ class Graph:
                 (args if type(p) is int else kwargs)[p][k] = v
         node.scheduled = False
         flat = flatten_outputs(self.executor.run(node, args, kwargs))
+        flat_out = list(flat) if self.tracker is not None else flat
         stats = self.stats
         stats.recomputed_ops += 1
         pending = node.pending
@@ -487,8 +491,14 @@ class Graph:
                     flat[i] = None
         stats.peak_cached_bytes = max(stats.peak_cached_bytes, stats.cached_bytes)
         node.values = flat
+        if self.tracker is not None:
+            nbytes = sum(tensor_nbytes(v) for v in flat_out if isinstance(v, torch.Tensor))
+            by_module = stats.recomputed_by_module
+            by_module[node.fqn] = by_module.get(node.fqn, 0) + nbytes
 
     def unpack(self, h: Handle) -> Any:
+        if self.tracker is not None:
+            self.tracker._on_unpack()
         with self.lock:
             if h.consumed_epoch is not None and h.consumed_epoch == self.epoch:
                 self._new_epoch()

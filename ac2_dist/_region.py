@@ -47,6 +47,7 @@ class _ThreadState(threading.local):
         self.owners: list[apply_ac_policy] = []
         self.graph: Graph | None = None
         self.replaying = 0
+        self.tracker: Any = None  # ac2_dist.memory.Tracker active on this thread
 
 
 _STATE = _ThreadState()
@@ -116,6 +117,9 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
         st = _thread_state()
         if st.graph is None:
             graph = Graph(InlineExecutor(_thread_state), st.frames)
+            if st.tracker is not None:
+                graph.tracker = st.tracker
+                st.tracker._add_graph(graph)
             ctx = PolicyContext(self._frame.module_fqn, _rank())
             tracer = Tracer(graph, st, ctx)
             hooks = torch.autograd.graph.saved_tensors_hooks(graph.pack, _unpack)

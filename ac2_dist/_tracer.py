@@ -163,6 +163,8 @@ class Tracer(TorchDispatchMode):
                 side = SideEffect.OPAQUE
         if side is not _NONE:
             reason = "rng" if side is SideEffect.RNG else "side_effect"
+            if side in _COMMUNICATING:
+                self.graph.stats.collectives += 1
             if decision is _CP.MUST_RECOMPUTE:
                 hint = " (or pass rng='replay' to the region)" if side is SideEffect.RNG else ""
                 via = f" (its tensor subclass issued {hidden})" if hidden is not None else ""

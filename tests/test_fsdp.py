@@ -108,7 +108,7 @@ def _train(rank, world, config, reshard, policy_name):
     gathers, grad_err, param_err, peak = [], 0.0, 0.0, 0
     for step in range(2):
         tokens = _tokens(step, rank)
-        with AllocationTrace() as trace:  # peak of forward + backward (allocator events)
+        with ac.memory.track(model) as tracker:  # peak of forward + backward
             if region_policy is not None:
                 with ac.apply_ac_policy(region_policy):
                     loss = _loss(model, tokens)
@@ -118,7 +118,9 @@ def _train(rank, world, config, reshard, policy_name):
             with counter:
                 loss.backward()
             del loss
-        peak = trace.whole.peak_bytes  # the second step's (after lazy init)
+        report = tracker.report()
+        peak = max(report.peak_bytes_forward, report.peak_bytes_backward)  # the last step's
+        assert report.allgathers_backward == counter.count, (report, counter.count)
         gathers.append(counter.count)
         ref_loss = sum(_loss(ref, _tokens(step, r)) for r in range(world)) / world
         ref_loss.backward()

@@ -1,0 +1,378 @@
+"""Per-rank memory reports: what each rank saved, recomputed and peaked at (CONTRACT §8).
+
+::
+
+    with ac.memory.track(model) as tracker:
+        loss = model(x).sum(); loss.backward()
+    report = tracker.report()              # this rank
+    reports = ac.memory.gather(report)     # list on rank 0, None elsewhere
+    print(ac.memory.format_table(reports))
+
+Figures come from real accounting: on CPU the allocator's own events (torch.profiler
+memory events, replayed in time order), on CUDA the caching allocator's statistics;
+what ac2 holds after forward is read from the regions' graphs (unique storages,
+parameters excluded). Nothing is installed while no tracker is active.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ._alloc import AllocationTrace
+from ._graph import REASONS, Graph, Node
+from ._region import _thread_state
+
+__all__ = ["RankReport", "Tracker", "track", "gather", "format_table", "plot", "save_run", "load_run"]
+
+SCHEMA_VERSION = 1
+_ALLGATHER_EVENTS = frozenset({"c10d::_allgather_base_", "_c10d_functional::all_gather_into_tensor"})
+
+
+@dataclass
+class RankReport:
+    """One rank's figures; bytes are ints. ``to_dict()`` is JSON-safe.
+
+    Peaks are the most bytes allocated at any moment of a phase (the largest step),
+    above what was allocated when tracking started.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+    steps: int = 0
+    peak_bytes_forward: int = 0
+    peak_bytes_backward: int = 0
+    saved_bytes: int = 0
+    saved_bytes_by_reason: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+    recomputed_ops: int = 0
+    recomputed_bytes: int = 0
+    replay_seconds: float = 0.0
+    collectives_not_replayed: int = 0
+    allgathers_backward: int = 0
+    per_module: dict[str, dict[str, int]] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RankReport:
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(
+                f"ac2_dist: report schema_version {version!r} is not supported (expected "
+                f"{SCHEMA_VERSION}); re-run with a matching ac2_dist version"
+            )
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def _held_bytes(graphs: Iterable[Graph], params: set[int]) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes of unique storages ac2 holds for backward, by reason and by module."""
+    seen: set[int] = set()
+    by_reason = dict.fromkeys(REASONS, 0)
+    by_module: dict[str, int] = {}
+    visited: set[int] = set()
+    for graph in graphs:
+        stack: list[Node] = [h.node for h in list(graph.handles)]
+        while stack:
+            node = stack.pop()
+            if id(node) in visited:
+                continue
+            visited.add(id(node))
+            stack.extend(m for _, m, _ in node.inputs)
+            for s in node.saved or ():
+                if s is None or not isinstance(s.value, torch.Tensor):
+                    continue
+                t = s.value
+                if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or node.fsdp_unit is not None:
+                    continue  # parameters (and views of them) are not activations
+                try:
+                    storage = t.untyped_storage()
+                    key, nbytes = storage.data_ptr(), storage.nbytes()
+                except (RuntimeError, NotImplementedError):  # subclasses without storage
+                    key, nbytes = id(t), s.nbytes
+                if key in params or key in seen or nbytes == 0:
+                    continue
+                seen.add(key)
+                by_reason[s.reason] += nbytes
+                by_module[node.fqn] = by_module.get(node.fqn, 0) + nbytes
+    return by_reason, by_module
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t  # DTensor (FSDP2's sharded params)
+    try:
+        return local.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
+
+class Tracker:
+    """Collects one rank's figures while active; see :func:`track`."""
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self.model = model
+        self.graphs: list[Graph] = []
+        self._trace: AllocationTrace | None = None
+        self._hooks: list[Any] = []
+        self._report = RankReport()
+        self._in_backward = False
+        self._param_storages: set[int] = set()
+        self._cuda = torch.cuda.is_available() and any(
+            p.is_cuda for p in (model.parameters() if model is not None else ())
+        )
+
+    # ---- lifecycle ----------------------------------------------------------------
+    def __enter__(self) -> Tracker:
+        st = _thread_state()
+        if st.tracker is not None:
+            raise RuntimeError("ac2_dist.memory.track: a tracker is already active on this thread")
+        st.tracker = self
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            self._report.rank, self._report.world_size = dist.get_rank(), dist.get_world_size()
+        self._report.device = "cuda" if self._cuda else "cpu"
+        # Peaks are reported above what was allocated when tracking started (parameters,
+        # optimizer state and inputs allocated before are not activations).
+        self._cuda_base = torch.cuda.memory_allocated() if self._cuda else 0
+        if self.model is not None:
+            self._param_storages = {_storage_key(p) for p in self.model.parameters()}
+            self._hooks.append(self.model.register_forward_pre_hook(self._on_forward))
+            self._hooks.append(self.model.register_forward_hook(self._on_forward_end))
+        self._trace = AllocationTrace(device_type=self._report.device, watch=_ALLGATHER_EVENTS)
+        self._trace.__enter__()
+        if self.model is None:
+            self._on_forward()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        st = _thread_state()
+        st.tracker = None
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        trace, self._trace = self._trace, None
+        trace.__exit__(*exc)
+        self._finish(trace)
+
+    # ---- phase marks ----------------------------------------------------------------
+    def _on_forward(self, *args: Any) -> None:
+        if self._trace is not None:
+            self._report.steps += 1
+            self._in_backward = False
+            self._trace.mark(f"forward:{self._report.steps}")
+            if self._cuda:
+                torch.cuda.reset_peak_memory_stats()
+
+    def _on_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        # The backward phase starts when the model's forward returns: hooks on the
+        # output's gradient would fire after FSDP's own pre-backward hooks, which
+        # already issue (prefetch) all-gathers.
+        self._snapshot_saved()
+        if self._cuda:
+            self._cuda_forward_peak = torch.cuda.max_memory_allocated()
+        self._on_backward()
+
+    def _on_backward(self, *args: Any) -> None:
+        if self._trace is not None and not self._in_backward:
+            self._in_backward = True
+            self._trace.mark(f"backward:{self._report.steps}")
+            if self._cuda:
+                self._report.peak_bytes_forward = max(
+                    self._report.peak_bytes_forward, getattr(self, "_cuda_forward_peak", 0) - self._cuda_base
+                )
+                torch.cuda.reset_peak_memory_stats()
+
+    def _on_unpack(self) -> None:
+        """First replay of a step without a model: forward has ended."""
+        if self.model is None and not self._in_backward:
+            self._snapshot_saved()
+            self._on_backward()
+
+    def _add_graph(self, graph: Graph) -> None:
+        if self.model is None and self._in_backward:  # a region after a backward: next step
+            self._on_forward()
+        self.graphs.append(graph)
+
+    def _snapshot_saved(self) -> None:
+        by_reason, by_module = _held_bytes(self.graphs, self._param_storages)
+        total = sum(by_reason.values())
+        r = self._report
+        if total >= r.saved_bytes:  # the largest step
+            r.saved_bytes, r.saved_bytes_by_reason = total, by_reason
+            for fqn, nbytes in by_module.items():
+                r.per_module.setdefault(fqn, {"saved_bytes": 0, "recomputed_bytes": 0})["saved_bytes"] = nbytes
+
+    def _finish(self, trace: AllocationTrace) -> None:
+        r = self._report
+        for name, phase in trace.phases.items():
+            if name.startswith("forward:"):
+                r.peak_bytes_forward = max(r.peak_bytes_forward, phase.peak_bytes)
+            elif name.startswith("backward:"):
+                r.peak_bytes_backward = max(r.peak_bytes_backward, phase.peak_bytes)
+        if self._cuda:
+            r.peak_bytes_backward = max(r.peak_bytes_backward, torch.cuda.max_memory_allocated() - self._cuda_base)
+        r.allgathers_backward = sum(
+            trace.calls_after(name) - trace.calls_after(f"forward:{int(name.split(':')[1]) + 1}")
+            for name in trace.phases
+            if name.startswith("backward:")
+        )
+        for g in self.graphs:
+            s = g.stats
+            r.recomputed_ops += s.recomputed_ops
+            r.recomputed_bytes += s.recomputed_bytes
+            r.replay_seconds += s.replay_seconds
+            r.collectives_not_replayed += s.collectives
+            for fqn, nbytes in s.recomputed_by_module.items():
+                r.per_module.setdefault(fqn, {"saved_bytes": 0, "recomputed_bytes": 0})["recomputed_bytes"] += nbytes
+
+    def report(self) -> RankReport:
+        """This rank's :class:`RankReport` (complete once the ``with`` block exited)."""
+        return self._report
+
+
+def track(model: nn.Module | None = None) -> Tracker:
+    """Track memory over one or more steps on this rank (a context manager).
+
+    With ``model``, forward and backward are told apart by hooks on it: its forward
+    starts a step, and everything after it returns (loss, backward) is the backward
+    phase. Without, a step's backward phase starts at its first replay.
+    """
+    return Tracker(model)
+
+
+def gather(report: RankReport) -> list[RankReport] | None:
+    """Collect every rank's report on rank 0 (one collective); ``None`` elsewhere."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return [report]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(report.to_dict(), out, dst=0)
+    return [RankReport.from_dict(d) for d in out] if rank == 0 else None
+
+
+def save_run(reports: list[RankReport], path: str) -> None:
+    """Write ``{"schema_version": ..., "ranks": [...]}`` to ``path``."""
+    with open(path, "w") as f:
+        json.dump({"schema_version": SCHEMA_VERSION, "ranks": [r.to_dict() for r in reports]}, f, indent=1)
+
+
+def load_run(path: str) -> list[RankReport]:
+    with open(path) as f:
+        data = json.load(f)
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"ac2_dist: {path} has schema_version {data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+    return [RankReport.from_dict(d) for d in data["ranks"]]
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+_ROWS = [
+    ("peak forward", "peak_bytes_forward", _human_bytes),
+    ("peak backward", "peak_bytes_backward", _human_bytes),
+    ("saved after forward", "saved_bytes", _human_bytes),
+    *[(f"  saved: {reason}", f"saved_bytes_by_reason.{reason}", _human_bytes) for reason in REASONS],
+    ("recomputed ops", "recomputed_ops", lambda v: f"{v:.0f}"),
+    ("recomputed", "recomputed_bytes", _human_bytes),
+    ("replay time", "replay_seconds", lambda v: f"{v * 1e3:.1f} ms"),
+    ("collectives not replayed", "collectives_not_replayed", lambda v: f"{v:.0f}"),
+    ("all-gathers in backward", "allgathers_backward", lambda v: f"{v:.0f}"),
+]
+
+
+def _value(r: RankReport, key: str) -> float:
+    if "." in key:
+        a, b = key.split(".")
+        return getattr(r, a).get(b, 0)
+    return getattr(r, key)
+
+
+def format_table(reports: list[RankReport] | None) -> str:
+    """A rank x metric table with min / max / imbalance (max / mean) columns."""
+    if not reports:
+        return "(no reports)"
+    reports = sorted(reports, key=lambda r: r.rank)
+    header = ["metric"] + [f"rank {r.rank}" for r in reports] + ["min", "max", "imbalance"]
+    rows = [header]
+    for label, key, fmt in _ROWS:
+        vals = [_value(r, key) for r in reports]
+        mean = sum(vals) / len(vals)
+        imbalance = f"{max(vals) / mean:.2f}x" if mean else "-"
+        rows.append([label] + [fmt(v) for v in vals] + [fmt(min(vals)), fmt(max(vals)), imbalance])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = []
+    for k, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    modules = sorted({fqn for r in reports for fqn in r.per_module})
+    if modules:
+        lines.append("")
+        lines.append("per module (saved / recomputed), by rank:")
+        for fqn in modules:
+            cells = []
+            for r in reports:
+                m = r.per_module.get(fqn, {})
+                cells.append(f"{_human_bytes(m.get('saved_bytes', 0))} / {_human_bytes(m.get('recomputed_bytes', 0))}")
+            lines.append(f"  {fqn or '(region)'}: " + " | ".join(cells))
+    return "\n".join(lines)
+
+
+def plot(reports: list[RankReport], path: str) -> None:
+    """Write a PNG: per-rank bars of saved / recomputed / peak, and a per-module breakdown.
+
+    Needs matplotlib (``pip install 'ac2-dist[plot]'``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("ac2_dist.memory.plot needs matplotlib: pip install 'ac2-dist[plot]'") from e
+    reports = sorted(reports, key=lambda r: r.rank)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    mib = 1 / 2**20
+    series = [
+        ("saved after forward", [r.saved_bytes * mib for r in reports]),
+        ("recomputed", [r.recomputed_bytes * mib for r in reports]),
+        ("peak forward", [r.peak_bytes_forward * mib for r in reports]),
+        ("peak backward", [r.peak_bytes_backward * mib for r in reports]),
+    ]
+    width = 0.8 / len(series)
+    for k, (label, vals) in enumerate(series):
+        ax1.bar([r.rank + k * width for r in reports], vals, width, label=label)
+    ax1.set_xticks([r.rank + 0.4 - width / 2 for r in reports], [f"rank {r.rank}" for r in reports])
+    ax1.set_ylabel("MiB")
+    ax1.set_title("per rank")
+    ax1.legend()
+    modules = sorted({fqn for r in reports for fqn in r.per_module})
+    if modules:
+        for k, r in enumerate(reports):
+            ax2.barh([i + k * 0.8 / len(reports) for i in range(len(modules))],
+                     [r.per_module.get(m, {}).get("saved_bytes", 0) * mib for m in modules],
+                     0.8 / len(reports), label=f"rank {r.rank} saved")
+        ax2.set_yticks(range(len(modules)), [m or "(region)" for m in modules])
+        ax2.set_xlabel("MiB saved after forward")
+        ax2.set_title("per module")
+        ax2.legend()
+    else:
+        ax2.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
