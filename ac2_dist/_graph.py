@@ -67,6 +67,7 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 class GraphStats:
     """Counters of one region's graph; readable after the region exits.
 
+    ``recomputed_bytes`` counts what replays allocated (view outputs allocate nothing).
     ``cached_bytes`` is the size of recomputed values alive right now (waiting for a
     pending consumer); ``peak_cached_bytes`` its maximum.
     """
@@ -484,7 +485,8 @@ class Graph:
         for i, v in enumerate(flat):
             if isinstance(v, torch.Tensor):
                 nbytes = tensor_nbytes(v)
-                stats.recomputed_bytes += nbytes
+                if not v._is_view():  # views allocate nothing
+                    stats.recomputed_bytes += nbytes
                 if pending[i] > 0 and (node.saved is None or node.saved[i] is None):
                     stats.cached_bytes += nbytes
                 else:
@@ -492,7 +494,7 @@ class Graph:
         stats.peak_cached_bytes = max(stats.peak_cached_bytes, stats.cached_bytes)
         node.values = flat
         if self.tracker is not None:
-            nbytes = sum(tensor_nbytes(v) for v in flat_out if isinstance(v, torch.Tensor))
+            nbytes = sum(tensor_nbytes(v) for v in flat_out if isinstance(v, torch.Tensor) and not v._is_view())
             by_module = stats.recomputed_by_module
             by_module[node.fqn] = by_module.get(node.fqn, 0) + nbytes
 

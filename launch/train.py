@@ -1,0 +1,167 @@
+"""ac2_dist's main job: FSDP2 training of a small Llama-style decoder under torchrun.
+
+    torchrun --standalone --nproc-per-node 2 launch/train.py            # CPU / gloo
+    torchrun --standalone --nproc-per-node 8 launch/train.py --dim 1024  # GPUs / nccl
+
+Byte-level language modelling on text already on disk (this project's sources and
+the Python standard library's), every block checkpointed (``--ac``), parameters
+sharded with ``fully_shard`` over all ranks. Prints one line per step (loss,
+tokens/s, step time), then the per-rank memory report of the last step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import Llama, LlamaBlock  # noqa: E402
+
+import ac2_dist as ac  # noqa: E402
+
+aten = torch.ops.aten
+SAVE_OPS = [aten.mm.default, aten.addmm.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default]
+AC_MODES = ["none", "torch-full", "torch-sac", "ac2-full", "ac2-sac"]
+
+
+def corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
+    """Bytes of text files on this machine: the project's sources, then the stdlib's."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    roots = [os.path.join(here, "ac2_dist"), os.path.join(here, "launch"), os.path.dirname(os.__file__)]
+    chunks, total = [], 0
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__", "test", "tests"))
+            for name in sorted(filenames):
+                if not name.endswith((".py", ".md", ".txt", ".rst")):
+                    continue
+                try:
+                    with open(os.path.join(dirpath, name), "rb") as f:
+                        data = f.read()
+                except OSError:
+                    continue
+                chunks.append(data)
+                total += len(data)
+                if total >= max_bytes:
+                    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
+    if total < 1 << 16:
+        raise RuntimeError(f"train.py: found only {total} bytes of text under {roots}")
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
+
+
+def batches(data: torch.Tensor, batch: int, seq: int, seed: int, rank: int):
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    while True:
+        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
+        window = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
+        yield window[:, :-1], window[:, 1:]
+
+
+def apply_checkpointing(model: Llama, mode: str) -> None:
+    if mode in ("ac2-full", "ac2-sac"):
+        ac.apply_ac(model, "recompute_all" if mode == "ac2-full" else SAVE_OPS, modules=[LlamaBlock])
+    elif mode in ("torch-full", "torch-sac"):
+        kwargs = {"use_reentrant": False}
+        if mode == "torch-sac":
+            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, SAVE_OPS)
+        for block in model.layers:
+            block.forward = functools.partial(checkpoint, block.forward, **kwargs)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ac", choices=AC_MODES, default="ac2-full", help="activation checkpointing per block")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--reshard", action=argparse.BooleanOptionalAction, default=True,
+                   help="FSDP2 reshard_after_forward for the blocks")
+    p.add_argument("--report-json", default=None, help="write the gathered memory report here (rank 0)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> float:
+    args = parse_args(argv)
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda")
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
+    try:
+        torch.manual_seed(args.seed)  # identical initial weights on every rank
+        model = Llama(vocab=256, dim=args.dim, layers=args.layers, heads=args.heads, max_seq=args.seq).to(device)
+        apply_checkpointing(model, args.ac)
+        mesh = init_device_mesh(device.type, (world,))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, reshard_after_forward=args.reshard)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        data = batches(corpus(), args.batch, args.seq, args.seed, rank)
+        if rank == 0:
+            n_params = sum(p.numel() for p in model.parameters())
+            print(f"train.py: {world} ranks ({device.type}), Llama {args.layers}x{args.dim}, "
+                  f"{n_params / 1e6:.2f}M params, seq {args.seq}, batch {args.batch}/rank, --ac {args.ac}",
+                  flush=True)
+        first = last = float("nan")
+        report = None
+        for step in range(1, args.steps + 1):
+            x, y = (t.to(device) for t in next(data))
+            tracker = ac.memory.track(model) if step == args.steps else None
+            t0 = time.perf_counter()
+            if tracker is not None:
+                tracker.__enter__()
+            logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            loss.backward()
+            if tracker is not None:
+                tracker.__exit__(None, None, None)
+                report = tracker.report()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            value = loss.detach().clone()
+            dist.all_reduce(value)
+            value = value.item() / world
+            if use_cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            first = value if step == 1 else first
+            last = value
+            if rank == 0:
+                tok_s = args.batch * args.seq * world / dt
+                print(f"step {step:3d}/{args.steps}  loss {value:.4f}  {tok_s:8.0f} tok/s  {dt * 1e3:7.1f} ms",
+                      flush=True)
+        reports = ac.memory.gather(report)
+        if rank == 0:
+            print(f"loss {first:.4f} -> {last:.4f}")
+            print(f"per-rank memory report (step {args.steps}, --ac {args.ac}):")
+            print(ac.memory.format_table(reports))
+            if args.report_json:
+                ac.memory.save_run(reports, args.report_json)
+                print(f"wrote {args.report_json}")
+        return last
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
