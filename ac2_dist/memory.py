@@ -48,6 +48,7 @@ class RankReport:
     steps: int = 0
     peak_bytes_forward: int = 0
     peak_bytes_backward: int = 0
+    live_bytes_after_forward: int = 0  # everything still allocated when forward returned
     saved_bytes: int = 0
     saved_bytes_by_reason: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
     recomputed_ops: int = 0
@@ -215,6 +216,7 @@ class Tracker:
         for name, phase in trace.phases.items():
             if name.startswith("forward:"):
                 r.peak_bytes_forward = max(r.peak_bytes_forward, phase.peak_bytes)
+                r.live_bytes_after_forward = max(r.live_bytes_after_forward, phase.end_bytes)
             elif name.startswith("backward:"):
                 r.peak_bytes_backward = max(r.peak_bytes_backward, phase.peak_bytes)
         if self._cuda:
@@ -284,6 +286,7 @@ def _human_bytes(n: float) -> str:
 _ROWS = [
     ("peak forward", "peak_bytes_forward", _human_bytes),
     ("peak backward", "peak_bytes_backward", _human_bytes),
+    ("live after forward", "live_bytes_after_forward", _human_bytes),
     ("saved after forward", "saved_bytes", _human_bytes),
     *[(f"  saved: {reason}", f"saved_bytes_by_reason.{reason}", _human_bytes) for reason in REASONS],
     ("recomputed ops", "recomputed_ops", lambda v: f"{v:.0f}"),

@@ -1,0 +1,199 @@
+"""All activation-checkpointing modes side by side in one torchrun job, per rank.
+
+    torchrun --standalone --nproc-per-node 2 launch/bench.py --out bench-out
+
+For each of no AC, torch full AC, torch SAC, ac2 full and ac2 SAC (same model, same
+data, FSDP2 over all ranks, every block checkpointed): peak memory of forward and of
+backward, activations kept after forward, backward FLOPs (recompute included), median
+step time, collectives and all-gathers issued during backward, per rank; then the
+ratios ac2 / torch.utils.checkpoint. Writes ``bench.json`` and ``bench.md`` to --out
+(and ``bench.png`` with --png, needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import Llama  # noqa: E402
+from train import AC_MODES, apply_checkpointing, batches, corpus  # noqa: E402
+
+import ac2_dist as ac  # noqa: E402
+
+_COLLECTIVE_NS = ("c10d", "_c10d_functional")
+
+
+class _CollectiveCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.collectives = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in _COLLECTIVE_NS and "wait" not in func.__name__ and "wrap" not in func.__name__:
+            self.collectives += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _build(args, mode, mesh, device):
+    torch.manual_seed(args.seed)
+    model = Llama(vocab=256, dim=args.dim, layers=args.layers, heads=args.heads, max_seq=args.seq).to(device)
+    apply_checkpointing(model, mode)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=args.reshard)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _loss(model, x, y):
+    return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+
+
+def _measure_mode(args, mode, mesh, device, data) -> dict:
+    model = _build(args, mode, mesh, device)
+    x, y = (t.to(device) for t in next(data))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        _loss(model, x, y).backward()
+
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    with ac.memory.track(model) as tracker:
+        loss = _loss(model, x, y)
+        counter = _CollectiveCounter()
+        with counter:
+            loss.backward()
+        del loss
+    report = tracker.report()
+    # Backward FLOPs = FLOPs(forward + backward) - FLOPs(forward): the counter must be
+    # active in forward too, or torch's SAC sees extra ops in its recompute and fails.
+    model.zero_grad(set_to_none=True)
+    fwd = FlopCounterMode(display=False)
+    with fwd:
+        _loss(model, x, y)
+    both = FlopCounterMode(display=False)
+    with both:
+        _loss(model, x, y).backward()
+    return {
+        "step_seconds_median": statistics.median(times),
+        "peak_bytes_forward": report.peak_bytes_forward,
+        "peak_bytes_backward": report.peak_bytes_backward,
+        "kept_after_forward_bytes": report.live_bytes_after_forward,
+        "ac2_saved_bytes": report.saved_bytes,
+        "backward_flops": both.get_total_flops() - fwd.get_total_flops(),
+        "collectives_backward": counter.collectives,
+        "allgathers_backward": report.allgathers_backward,
+        "recomputed_ops": report.recomputed_ops,
+        "report": report.to_dict(),
+    }
+
+
+def _markdown(results: list[dict], modes: list[str], args) -> str:
+    mib = 1 / 2**20
+    lines = [
+        f"`torchrun --standalone --nproc-per-node {len(results)} launch/bench.py` — Llama {args.layers}x{args.dim}, "
+        f"seq {args.seq}, batch {args.batch}/rank, FSDP2 (reshard_after_forward={args.reshard}), "
+        f"{len(results)} ranks, {results[0]['device']}, torch {torch.__version__}",
+        "",
+        "| mode | rank | peak fwd MiB | peak bwd MiB | kept MiB | bwd GFLOP | step s | collectives bwd | all-gathers bwd |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode in modes:
+        for rank, res in enumerate(results):
+            r = res["modes"][mode]
+            lines.append(
+                f"| {mode} | {rank} | {r['peak_bytes_forward'] * mib:.1f} | {r['peak_bytes_backward'] * mib:.1f} | "
+                f"{r['kept_after_forward_bytes'] * mib:.1f} | {r['backward_flops'] / 1e9:.2f} | "
+                f"{r['step_seconds_median']:.3f} | {r['collectives_backward']} | {r['allgathers_backward']} |"
+            )
+    lines += ["", "| ratio (rank 0) | peak fwd | peak bwd | bwd FLOPs | step time |", "|---|---:|---:|---:|---:|"]
+    for ours, theirs in (("ac2-full", "torch-full"), ("ac2-sac", "torch-sac")):
+        if ours in modes and theirs in modes:
+            a, b = results[0]["modes"][ours], results[0]["modes"][theirs]
+            lines.append(
+                f"| {ours} / {theirs} | {a['peak_bytes_forward'] / b['peak_bytes_forward']:.3f} | "
+                f"{a['peak_bytes_backward'] / b['peak_bytes_backward']:.3f} | "
+                f"{a['backward_flops'] / b['backward_flops']:.3f} | "
+                f"{a['step_seconds_median'] / b['step_seconds_median']:.3f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default=",".join(AC_MODES))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reshard", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--png", action="store_true", help="also write bench.png (ac2 modes' reports)")
+    args = p.parse_args(argv)
+    modes = args.modes.split(",")
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
+        device = torch.device("cuda" if use_cuda else "cpu")
+        mesh = init_device_mesh(device.type, (world,))
+        data = batches(corpus(), args.batch, args.seq, args.seed, rank)
+        mine = {"rank": rank, "device": device.type, "modes": {}}
+        for mode in modes:
+            mine["modes"][mode] = _measure_mode(args, mode, mesh, device, data)
+            if rank == 0:
+                r = mine["modes"][mode]
+                print(f"{mode:<11} step {r['step_seconds_median']:.3f}s  peak bwd "
+                      f"{r['peak_bytes_backward'] / 2**20:.1f} MiB  bwd {r['backward_flops'] / 1e9:.2f} GFLOP", flush=True)
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if rank == 0:
+            os.makedirs(args.out, exist_ok=True)
+            table = _markdown(gathered, modes, args)
+            with open(os.path.join(args.out, "bench.json"), "w") as f:
+                json.dump({"config": vars(args), "ranks": gathered}, f, indent=1)
+            with open(os.path.join(args.out, "bench.md"), "w") as f:
+                f.write(table + "\n")
+            print(table)
+            if args.png:
+                for mode in modes:
+                    if mode.startswith("ac2"):
+                        reports = [ac.memory.RankReport.from_dict(g["modes"][mode]["report"]) for g in gathered]
+                        ac.memory.plot(reports, os.path.join(args.out, f"bench-{mode}.png"))
+            print(f"wrote {args.out}/bench.json and bench.md")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
