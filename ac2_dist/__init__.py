@@ -24,12 +24,14 @@ from ._graph import GraphStats
 from ._modules import apply_ac, unwrap, wrap
 from ._policy import SAVE_WITH_HOOKS, PolicyContext
 from ._region import apply_ac_policy, apply_ac_policy_fn, is_checkpoint_enabled, tag_with_policy
+from .replay import ReplayConfig
 from .side_effects import register_side_effect
 
 __all__ = [
     "CheckpointPolicy",
     "GraphStats",
     "PolicyContext",
+    "ReplayConfig",
     "SAVE_WITH_HOOKS",
     "apply_ac",
     "apply_ac_policy",

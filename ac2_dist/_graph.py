@@ -270,13 +270,15 @@ class TensorMap:
 class Handle:
     """What autograd keeps instead of a saved tensor: a pointer to a node output."""
 
-    __slots__ = ("graph", "node", "idx", "consumed_epoch", "__weakref__")
+    __slots__ = ("graph", "node", "idx", "consumed_epoch", "prefetched", "ready", "__weakref__")
 
     def __init__(self, graph: Graph, node: Node, idx: int) -> None:
         self.graph = graph
         self.node = node
         self.idx = idx
         self.consumed_epoch: int | None = None
+        self.prefetched: Any = None  # value realized ahead of its unpack (Note [Prefetching ...])
+        self.ready: Any = None  # the event that value is ready on (side-stream executor)
 
 
 class Graph:
@@ -294,6 +296,11 @@ class Graph:
         self.create_graph = False  # set by the executor around each realize
         self.frames = frames  # the policy frames of the thread that records (forward)
         self.tracker: Any = None  # an active ac2_dist.memory.Tracker, if any
+        # Set by module wrappers that prefetch (Note [Prefetching the next unit's replay]):
+        self.prev: weakref.ref | None = None  # the graph of the unit that ran before
+        self.fqn = ""
+        self.log: Any = None
+        self._parked: dict[int, int] = {}  # id(prefetched value) -> handles holding it
 
     # ---- forward side -------------------------------------------------------------
     def new_node(self, op: Any, nout: int, fqn: str = "") -> Node:
@@ -419,7 +426,10 @@ class Graph:
         if node.saved is not None and node.saved[idx] is not None:
             s = node.saved[idx]
             if node.fsdp_unit is not None:
-                ensure_unsharded(node.fsdp_unit)
+                triggered = ensure_unsharded(node.fsdp_unit)
+                if self.log is not None:
+                    unit = node.fsdp_unit()
+                    self.log("unshard" if triggered else "unsharded", getattr(unit, "_ac2_fqn", self.fqn))
             if self.create_graph and s.detached:
                 raise RuntimeError(
                     f"ac2_dist: backward with create_graph=True needs the saved {s.owner} with "
@@ -502,11 +512,48 @@ class Graph:
         if self.tracker is not None:
             self.tracker._on_unpack()
         with self.lock:
+            if h.prefetched is not None:
+                value, ready = h.prefetched, h.ready
+                h.prefetched = h.ready = None
+                self._unpark(value)
+                return self.executor.hand_over(value, ready)
             if h.consumed_epoch is not None and h.consumed_epoch == self.epoch:
                 self._new_epoch()
             v = self.executor.realize(self, h.node, h.idx)
             h.consumed_epoch = self.epoch
             return v
+
+    def prefetch(self) -> int:
+        """Realize every handle not yet consumed in this backward and park the value
+        on it (Note [Prefetching the next unit's replay]). Returns how many."""
+        done = 0
+        with self.lock:
+            for h in list(self.handles):
+                if h.consumed_epoch is not None or h.prefetched is not None:
+                    continue
+                value, ready = self.executor.prefetch(self, h.node, h.idx)
+                h.prefetched, h.ready = value, ready
+                h.consumed_epoch = self.epoch
+                self._park(value)
+                done += 1
+        return done
+
+    def _park(self, value: Any) -> None:
+        """Account a prefetched value once, however many handles hold it."""
+        if isinstance(value, torch.Tensor):
+            n = self._parked.get(id(value), 0)
+            self._parked[id(value)] = n + 1
+            if n == 0:
+                self.stats.cached_bytes += tensor_nbytes(value)
+                self.stats.peak_cached_bytes = max(self.stats.peak_cached_bytes, self.stats.cached_bytes)
+
+    def _unpark(self, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            n = self._parked.pop(id(value)) - 1
+            if n:
+                self._parked[id(value)] = n
+            else:
+                self.stats.cached_bytes -= tensor_nbytes(value)
 
     def _new_epoch(self) -> None:
         self.epoch += 1

@@ -12,13 +12,17 @@ are region boundaries] in fsdp.py).
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from ._policy import PolicyLike, _Frame
-from ._region import apply_ac_policy
+from ._region import _thread_state, apply_ac_policy
+from .fsdp import is_fsdp_unit, unsharded_params
+from .replay import DEFAULT_CONFIG, ReplayConfig
 
 __all__ = ["apply_ac", "wrap", "unwrap"]
 
@@ -34,23 +38,75 @@ def wrap(
     rng: str = "save",
     allow_cache_entry_mutation: bool = False,
     module_fqn: str = "",
+    replay: ReplayConfig | None = None,
 ) -> nn.Module:
     """Checkpoint ``module``: its forward runs inside ``apply_ac_policy(policy, ...)``.
 
     In place; returns ``module``. Wrapping an already wrapped module replaces its
-    policy. ``module_fqn`` is what policies see as ``ctx.module_fqn``.
+    policy. ``module_fqn`` is what policies see as ``ctx.module_fqn``; ``replay`` a
+    :class:`ReplayConfig` (side stream, prefetch depth).
     """
     frame = _Frame(policy, rng=rng, allow_mutation=allow_cache_entry_mutation, module_fqn=module_fqn)
+    config = replay or DEFAULT_CONFIG
     original = getattr(module, _ATTR, None) or module.forward
+    module._ac2_fqn = module_fqn
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with apply_ac_policy._from_frame(frame):
-            return original(*args, **kwargs)
+        region = apply_ac_policy._from_frame(frame, config)
+        with region:
+            out = original(*args, **kwargs)
+            if is_fsdp_unit(module):  # our region runs inside FSDP's pre/post-forward
+                _thread_state().graph.mark_fsdp_params(unsharded_params(module), module)
+        if region.graph is not None and torch.is_grad_enabled():
+            _link_for_prefetch(region.graph, config, module_fqn, args, kwargs, out)
+        return out
 
     module.forward = forward
     setattr(module, _ATTR, original)
     return module
+
+
+def _link_for_prefetch(graph: Any, config: ReplayConfig, fqn: str, args: Any, kwargs: Any, out: Any) -> None:
+    """Note [Prefetching the next unit's replay] (replay.py): chain this unit's graph
+    to the previous one and prefetch that one when this unit's backward starts."""
+    on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    depth = config.prefetch_depth(on_cuda)
+    log = config.log
+    if depth == 0 and log is None:
+        return
+    st = _thread_state()
+    graph.prev, graph.fqn, graph.log = st.last_graph, fqn, log
+    this = weakref.ref(graph)
+    st.last_graph = this
+
+    def backward_starts(_grads: Any) -> None:
+        if log is not None:
+            log("backward_start", fqn)
+        g = this()
+        prev = g.prev if g is not None else None
+        for _ in range(depth):
+            unit = prev() if prev is not None else None
+            if unit is None:
+                break
+            if log is not None:
+                log("prefetch_start", unit.fqn)
+            with torch.autograd.profiler.record_function("ac2::prefetch"):
+                unit.prefetch()
+            if log is not None:
+                log("prefetch_end", unit.fqn)
+            prev = unit.prev
+
+    outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if outputs:
+        torch.autograd.graph.register_multi_grad_hook(outputs, backward_starts, mode="any")
+    if log is not None:
+        inputs = [
+            t for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if inputs:
+            torch.autograd.graph.register_multi_grad_hook(inputs, lambda _g: log("backward_end", fqn), mode="any")
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -84,6 +140,7 @@ def apply_ac(
     *,
     rng: str = "save",
     allow_cache_entry_mutation: bool = False,
+    replay: ReplayConfig | None = None,
 ) -> nn.Module:
     """Checkpoint the selected submodules of ``model`` in place; returns ``model``.
 
@@ -93,6 +150,8 @@ def apply_ac(
         policy: as for :class:`apply_ac_policy`.
         modules: module types (``[TransformerBlock]``), a predicate
             ``(fqn, module) -> bool``, or ``None`` for ``model`` itself.
+        replay: a :class:`ReplayConfig`: where replays run and how many modules
+            ahead backward prefetches them.
 
     Raises ValueError if nothing matches (a typo in ``modules`` should not silently
     checkpoint nothing).
@@ -101,5 +160,6 @@ def apply_ac(
     if not selected:
         raise ValueError(f"ac2_dist.apply_ac: no submodule of {type(model).__name__} matches {modules!r}")
     for fqn, module in selected:
-        wrap(module, policy, rng=rng, allow_cache_entry_mutation=allow_cache_entry_mutation, module_fqn=fqn)
+        wrap(module, policy, rng=rng, allow_cache_entry_mutation=allow_cache_entry_mutation,
+             module_fqn=fqn, replay=replay)
     return model

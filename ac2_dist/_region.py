@@ -6,7 +6,7 @@ Note [Per-thread state]
     entered policy frames and the graph of the outermost region of *this* thread.
     Backward may unpack on autograd worker threads; a handle carries its graph, so
     unpacking needs no thread state except the ``replaying`` flag of the thread that
-    replays (Note [Replay environment] in _replay.py).
+    replays (Note [Replay environment] in replay.py).
 
 Note [Outermost region owns the graph]
     Only the outermost region of a thread installs the tracer and the saved-tensor
@@ -26,9 +26,9 @@ import torch
 
 from ._graph import Graph, GraphStats
 from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, _Frame, is_save
-from ._replay import InlineExecutor
 from ._tracer import Tracer
 from .fsdp import is_fsdp_unit, unsharded_params
+from .replay import DEFAULT_CONFIG, ReplayConfig
 
 __all__ = [
     "apply_ac_policy",
@@ -48,6 +48,7 @@ class _ThreadState(threading.local):
         self.graph: Graph | None = None
         self.replaying = 0
         self.tracker: Any = None  # ac2_dist.memory.Tracker active on this thread
+        self.last_graph: Any = None  # weakref: the last prefetching module's graph (replay.py)
 
 
 _STATE = _ThreadState()
@@ -84,6 +85,8 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
         allow_cache_entry_mutation: use a saved tensor even if it was modified in
             place after being saved (default: raise an error on use).
         module_fqn: reported to policies as ``ctx.module_fqn``.
+        replay: a :class:`ReplayConfig` (where replays run); default: inline on CPU,
+            a CUDA side stream when this process uses CUDA.
 
     Regions nest; the outermost one records, inner ones add their policy (CONTRACT §2).
     The object is also a decorator-free context manager for one thread at a time;
@@ -97,26 +100,33 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
         rng: str = "save",
         allow_cache_entry_mutation: bool = False,
         module_fqn: str = "",
+        replay: ReplayConfig | None = None,
     ) -> None:
         self._frame = _Frame(
             policy, rng=rng, allow_mutation=allow_cache_entry_mutation, module_fqn=module_fqn
         )
+        self._replay = replay or DEFAULT_CONFIG
         self._installed: tuple[Any, ...] | None = None
         self.stats: GraphStats | None = None
+        self.graph: Graph | None = None  # the graph this region owns (outermost only)
 
     @classmethod
-    def _from_frame(cls, frame: _Frame) -> apply_ac_policy:
+    def _from_frame(cls, frame: _Frame, replay: ReplayConfig | None = None) -> apply_ac_policy:
         """A region for an already validated policy frame (module wrappers: no re-parse)."""
         self = cls.__new__(cls)
         self._frame = frame
+        self._replay = replay or DEFAULT_CONFIG
         self._installed = None
         self.stats = None
+        self.graph = None
         return self
 
     def __enter__(self) -> apply_ac_policy:
         st = _thread_state()
         if st.graph is None:
-            graph = Graph(InlineExecutor(_thread_state), st.frames)
+            on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            graph = Graph(self._replay.executor(_thread_state, on_cuda), st.frames)
+            self.graph = graph
             if st.tracker is not None:
                 graph.tracker = st.tracker
                 st.tracker._add_graph(graph)
@@ -139,6 +149,8 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
             self.stats = graph.stats
         elif self._installed is not None:
             raise RuntimeError("ac2_dist: this apply_ac_policy object is already active")
+        else:
+            self.graph = None
         st.frames.append(self._frame)
         st.owners.append(self)
         return self

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._graph import Graph, Node, Saved, flatten_outputs
 from ._policy import PolicyContext, is_save, resolve
-from ._replay import default_generator
+from .replay import default_generator
 from .side_effects import _INFO, SideEffect, op_info
 
 try:

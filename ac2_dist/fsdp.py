@@ -64,9 +64,13 @@ def is_unsharded(module: nn.Module) -> bool:
     return group is None or group.is_unsharded
 
 
-def ensure_unsharded(unit_ref: weakref.ref) -> None:
-    """Unshard the unit if it is resharded (Note [Replays unshard what they read])."""
+def ensure_unsharded(unit_ref: weakref.ref) -> bool:
+    """Unshard the unit if it is resharded (Note [Replays unshard what they read]).
+
+    Returns True if this call issued (or waited for) the unshard.
+    """
     module = unit_ref()
     if module is None or is_unsharded(module):
-        return
+        return False
     module.unshard()  # async_op=False: returns once the parameters hold their data
+    return True

@@ -1,0 +1,201 @@
+"""Executing replays: where and when recorded ops are re-run (CONTRACT §7).
+
+One executor abstraction runs a graph's replays: :class:`InlineExecutor` on the thread
+(and, on CUDA, the stream) that runs backward -- the CPU default -- or
+:class:`SideStreamExecutor` on a CUDA side stream, handing results to the consuming
+stream. :class:`ReplayConfig` chooses the executor and how many checkpointed units
+ahead backward replays are prefetched.
+
+Note [Prefetching the next unit's replay]
+    Backward runs checkpointed modules (units) in reverse forward order. When the
+    backward of unit i starts (a gradient hook on its outputs), the replays that
+    units i-1 .. i-prefetch will need are run ahead: every live handle of their
+    graphs is realized and the value parked on the handle (its pending use is
+    taken then, so the use counts still free every intermediate at its last use).
+    Unpacking a prefetched handle returns the parked value. Parameters a prefetch
+    reads are an FSDP unit's: the first read waits for (or triggers) that unit's
+    unshard (Note [Replays unshard what they read] in fsdp.py), so a replay never
+    reads resharded storage and the unit is still gathered once. At most the current
+    unit's and the prefetched units' recomputed values are alive.
+
+Note [Replay environment]
+    A replay re-runs the *post-dispatch* op the tracer recorded, with the recorded
+    non-tensor arguments, so it must not be transformed a second time:
+    - autocast is disabled (the recorded op already has the dtypes autocast chose;
+      backward may run inside a user's ``torch.autocast`` block);
+    - grad mode is off, unless backward runs with ``create_graph=True`` (then the
+      replay is recorded by autograd so higher-order gradients flow to the region
+      inputs);
+    - this thread's tracer, if a region is active here (backward called inside a
+      region), passes replayed ops through without recording them;
+    - an RNG op recorded with ``rng="replay"`` runs with its generator set to the
+      state stashed before the forward call, then the generator is restored.
+    Other dispatch modes the user has active (e.g. ``FlopCounterMode``) still see
+    the replayed ops.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.autograd.profiler import record_function
+
+if TYPE_CHECKING:
+    from ._graph import Graph, Node
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    """The default generator an op without ``generator=`` draws from on ``device``."""
+    if device.type == "cpu":
+        return torch.default_generator
+    mod = getattr(torch, device.type)
+    index = device.index if device.index is not None else mod.current_device()
+    return mod.default_generators[index]
+
+
+class _NoAutocast:
+    """Disable autocast for every device type for the duration of a replay."""
+
+    __slots__ = ("_guard",)
+
+    def __enter__(self) -> None:
+        self._guard = torch._C._DisableAutocast()
+        self._guard.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._guard.__exit__(*exc)
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """How replays run. Pass to :func:`ac2_dist.apply_ac`, :func:`ac2_dist.wrap` or
+    :class:`ac2_dist.apply_ac_policy` (``replay=``).
+
+    Args:
+        stream: ``"auto"`` (a side stream on CUDA, inline on CPU), ``"inline"``, or a
+            ``torch.cuda.Stream`` to replay on.
+        prefetch: how many checkpointed modules ahead backward replays are run when a
+            module's backward starts (0, 1 or 2). ``None``: 1 on CUDA, 0 on CPU. Only
+            modules checkpointed with ``apply_ac`` / ``wrap`` are prefetched (the order
+            of units is known there).
+        log: called as ``log(event, module_fqn)`` for ``backward_start``,
+            ``prefetch_start``, ``prefetch_end``, ``unshard`` (a replay unsharded an
+            FSDP unit), ``unsharded`` (it found the unit gathered) and
+            ``backward_end``: for tests and debugging; ``None`` costs nothing.
+    """
+
+    stream: Any = "auto"
+    prefetch: int | None = None
+    log: Callable[[str, str], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefetch is not None and self.prefetch not in (0, 1, 2):
+            raise ValueError(f"ac2_dist.ReplayConfig: prefetch must be 0, 1, 2 or None, got {self.prefetch!r}")
+        if not (self.stream in ("auto", "inline", None) or _is_stream(self.stream)):
+            raise ValueError(
+                f"ac2_dist.ReplayConfig: stream must be 'auto', 'inline' or a torch.cuda.Stream, got {self.stream!r}"
+            )
+
+    def prefetch_depth(self, on_cuda: bool) -> int:
+        if self.prefetch is not None:
+            return self.prefetch
+        return 1 if on_cuda else 0
+
+    def executor(self, thread_state: Any, on_cuda: bool) -> InlineExecutor:
+        if self.stream in ("inline", None) or not on_cuda:
+            return InlineExecutor(thread_state)
+        stream = self.stream if _is_stream(self.stream) else None
+        return SideStreamExecutor(thread_state, stream)
+
+
+DEFAULT_CONFIG = ReplayConfig()
+
+
+def _is_stream(s: Any) -> bool:
+    return hasattr(torch, "cuda") and isinstance(s, torch.cuda.Stream)
+
+
+class InlineExecutor:
+    """Runs replays on the calling thread, in stream order (CPU, or when disabled)."""
+
+    def __init__(self, thread_state: Any) -> None:
+        self._state_of_thread = thread_state
+
+    def realize(self, graph: Graph, node: Node, idx: int) -> Any:
+        """Value of ``node[idx]`` for a consumer on the calling thread / stream."""
+        with record_function("ac2::replay"):
+            return self._realize(graph, node, idx)
+
+    def prefetch(self, graph: Graph, node: Node, idx: int) -> tuple[Any, Any]:
+        """Realize ahead of use; returns (value, ready event or None)."""
+        return self._realize(graph, node, idx), None
+
+    def hand_over(self, value: Any, ready: Any) -> Any:
+        """Make a prefetched value usable by the calling stream."""
+        return value
+
+    def _realize(self, graph: Graph, node: Node, idx: int) -> Any:
+        state = self._state_of_thread()
+        create_graph = torch.is_grad_enabled()
+        state.replaying += 1
+        graph.create_graph = create_graph
+        t0 = time.perf_counter()
+        try:
+            with torch.autograd.grad_mode.set_grad_enabled(create_graph), _NoAutocast():
+                return graph.realize(node, idx)
+        finally:
+            graph.stats.replay_seconds += time.perf_counter() - t0
+            state.replaying -= 1
+
+    def run(self, node: Node, args: list, kwargs: dict) -> Any:
+        if node.rng is None:
+            return node.op(*args, **kwargs)
+        gen, stashed = node.rng
+        current = gen.get_state()
+        gen.set_state(stashed)
+        try:
+            return node.op(*args, **kwargs)
+        finally:
+            gen.set_state(current)
+
+
+class SideStreamExecutor(InlineExecutor):
+    """Runs replays on a CUDA side stream (CONTRACT §7).
+
+    The side stream first waits for the consuming stream (replay inputs may have been
+    produced there); the consumer then waits on an event recorded after the replay,
+    and every tensor handed over is ``record_stream``-ed on the consumer, so the
+    caching allocator frees it when backward is done with it and never earlier.
+    """
+
+    def __init__(self, thread_state: Any, stream: Any = None) -> None:
+        super().__init__(thread_state)
+        self._stream = stream
+
+    def _side(self) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def realize(self, graph: Graph, node: Node, idx: int) -> Any:
+        value, ready = self.prefetch(graph, node, idx)
+        return self.hand_over(value, ready)
+
+    def prefetch(self, graph: Graph, node: Node, idx: int) -> tuple[Any, Any]:
+        side = self._side()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), record_function("ac2::replay"):
+            value = self._realize(graph, node, idx)
+        return value, side.record_event()
+
+    def hand_over(self, value: Any, ready: Any) -> Any:
+        consumer = torch.cuda.current_stream()
+        if ready is not None:
+            consumer.wait_event(ready)
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            value.record_stream(consumer)
+        return value
