@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_core import backward_flops  # noqa: E402
 from models import Llama  # noqa: E402
 from train import AC_MODES, apply_checkpointing, batches, corpus  # noqa: E402
 
@@ -87,22 +87,15 @@ def _measure_mode(args, mode, mesh, device, data) -> dict:
             loss.backward()
         del loss
     report = tracker.report()
-    # Backward FLOPs = FLOPs(forward + backward) - FLOPs(forward): the counter must be
-    # active in forward too, or torch's SAC sees extra ops in its recompute and fails.
     model.zero_grad(set_to_none=True)
-    fwd = FlopCounterMode(display=False)
-    with fwd:
-        _loss(model, x, y)
-    both = FlopCounterMode(display=False)
-    with both:
-        _loss(model, x, y).backward()
+    flops = backward_flops(lambda: _loss(model, x, y))
     return {
         "step_seconds_median": statistics.median(times),
         "peak_bytes_forward": report.peak_bytes_forward,
         "peak_bytes_backward": report.peak_bytes_backward,
         "kept_after_forward_bytes": report.live_bytes_after_forward,
         "ac2_saved_bytes": report.saved_bytes,
-        "backward_flops": both.get_total_flops() - fwd.get_total_flops(),
+        "backward_flops": flops,
         "collectives_backward": counter.collectives,
         "allgathers_backward": report.allgathers_backward,
         "recomputed_ops": report.recomputed_ops,

@@ -81,21 +81,25 @@ def measure_memory(model, x, runner) -> dict:
     }
 
 
-def measure_flops(model, x, runner) -> int:
+def backward_flops(loss_fn: Callable[[], torch.Tensor]) -> int:
     """Backward FLOPs (recompute included) = FLOPs of forward+backward - of forward.
 
     The counter is active over forward *and* backward: torch's SAC fails when a
     dispatch mode appears only during its recompute (it sees extra ops and raises
     "not found in storage"), so counting backward alone cannot measure it.
     """
-    model.zero_grad(set_to_none=True)
     fwd = FlopCounterMode(display=False)
     with fwd:
-        forward(model, x, runner)
+        loss_fn()
     both = FlopCounterMode(display=False)
     with both:
-        forward(model, x, runner).backward()
+        loss_fn().backward()
     return both.get_total_flops() - fwd.get_total_flops()
+
+
+def measure_flops(model, x, runner) -> int:
+    model.zero_grad(set_to_none=True)
+    return backward_flops(lambda: forward(model, x, runner))
 
 
 def tracer_overhead_us(n_ops: int = 3000, reps: int = 5) -> dict[str, float]:

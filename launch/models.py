@@ -10,9 +10,10 @@ import torch.nn.functional as F
 class GPTBlock(nn.Module):
     """Pre-norm GPT block: LayerNorm, causal SDPA attention, GELU MLP (4x)."""
 
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.heads = heads
+        self.dropout = dropout
         self.ln1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -24,9 +25,10 @@ class GPTBlock(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        p = self.dropout if self.training else 0.0
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        x = x + F.dropout(self.proj(a.transpose(1, 2).reshape(b, t, d)), p, self.training)
+        return x + F.dropout(self.out(F.gelu(self.fc(self.ln2(x)))), p, self.training)
 
 
 class GPTStack(nn.Module):

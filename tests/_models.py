@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from models import GPTBlock  # launch/models.py (tests/conftest.py puts launch/ on the path)
 
 
 class MLP(nn.Module):
@@ -19,31 +20,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc3(F.gelu(self.fc2(torch.relu(self.fc1(x)))))
-
-
-class GPTBlock(nn.Module):
-    """Pre-norm transformer block: LayerNorm, causal SDPA attention, GELU MLP."""
-
-    def __init__(self, d: int = 32, heads: int = 4, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.out = nn.Linear(4 * d, d)
-        self.dropout = dropout
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
-        x = x + F.dropout(self.proj(a.transpose(1, 2).reshape(b, t, d)), self.dropout, self.training)
-        return x + F.dropout(self.out(F.gelu(self.fc(self.ln2(x)))), self.dropout, self.training)
 
 
 class GPT(nn.Module):

@@ -32,3 +32,30 @@ def test_train_py_under_torchrun_writes_report(tmp_path, ac_mode):
     report = subprocess.run([sys.executable, "-m", "ac2_dist.report", out], capture_output=True, text=True,
                             timeout=60, cwd=ROOT)
     assert report.returncode == 0 and "all-gathers in backward" in report.stdout
+
+
+@pytest.mark.slow
+def test_bench_py_runs_all_modes(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "launch", "bench.py"), "--layers", "1", "--dim", "32", "--seq", "32",
+           "--batch", "2", "--iters", "1", "--warmup", "0", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.load(open(os.path.join(tmp_path, "bench.json")))
+    assert len(data["ranks"]) == 2
+    modes = data["ranks"][0]["modes"]
+    assert set(modes) == {"none", "torch-full", "torch-sac", "ac2-full", "ac2-sac"}
+    # The same recompute in FLOPs as torch; the same collectives as eager.
+    assert modes["ac2-full"]["backward_flops"] == modes["torch-full"]["backward_flops"]
+    assert modes["ac2-full"]["collectives_backward"] == modes["none"]["collectives_backward"]
+    assert "| ac2-full / torch-full |" in open(os.path.join(tmp_path, "bench.md")).read()
+
+
+def test_bench_core_runs():
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import bench_core
+
+    out = bench_core.main(["--layers", "1", "--dim", "32", "--seq", "16", "--batch", "2", "--iters", "1",
+                           "--warmup", "0", "--no-micro"])
+    assert set(out["ratios"]) == {"ac2-full/torch-full", "ac2-sac/torch-sac"}
+    assert out["ratios"]["ac2-full/torch-full"]["backward_flops"] == 1.0
