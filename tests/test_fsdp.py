@@ -203,3 +203,39 @@ def test_whole_model_region_keeps_no_gathered_parameters():
         assert whole <= 1.10 * per_block, r
         assert r["one region around the model gathered bytes"] == 0, r
         assert r["apply_ac before fully_shard gathered bytes"] == 0, r
+
+
+def _mixed_precision_and_int_reshard(rank, world, reshard):
+    """bf16 parameters / fp32 reduce, and reshard_after_forward as an int: ac2's
+    gradients are bitwise those of the same FSDP setup without checkpointing."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for name in ("eager", "ac2 recompute_all", "ac2 save-mm"):
+        torch.manual_seed(0)
+        model = Llama(vocab=64, dim=32, layers=4, heads=4)
+        if name != "eager":
+            ac.apply_ac(model, "recompute_all" if name.endswith("all") else SAVE_MM, modules=[LlamaBlock])
+        for blk in model.layers:
+            fully_shard(blk, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        tokens = _tokens(0, rank)
+        loss = F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten())
+        counter = AllGatherCounter()
+        with counter:
+            loss.backward()
+        out[name] = ([p.grad.to_local().clone() for p in model.parameters()], counter.count)
+    ref, ref_count = out.pop("eager")
+    return {name: (all(torch.equal(a, b) for a, b in zip(ref, grads)), count, ref_count)
+            for name, (grads, count) in out.items()}
+
+
+@pytest.mark.parametrize(("world", "reshard"), [(2, True), (4, 2)])
+def test_fsdp_mixed_precision_and_int_reshard(world, reshard):
+    for r in run_ranks(_mixed_precision_and_int_reshard, reshard, world=world, timeout=300):
+        for name, (bitwise, count, eager_count) in r.items():
+            assert bitwise, name
+            assert count <= 4 and count == eager_count, (name, count, eager_count)
