@@ -59,3 +59,15 @@ def test_bench_core_runs():
                            "--warmup", "0", "--no-micro"])
     assert set(out["ratios"]) == {"ac2-full/torch-full", "ac2-sac/torch-sac"}
     assert out["ratios"]["ac2-full/torch-full"]["backward_flops"] == 1.0
+
+
+def test_bench_gpu_cpu_smoke_run(tmp_path):
+    """The GPU benchmark's code path, on CPU (a 1-rank gloo group; side stream -> inline)."""
+    out = os.path.join(tmp_path, "gpu.json")
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "bench_gpu.py"), "--device", "cpu", "--layers", "2",
+           "--dim", "64", "--heads", "4", "--seq", "32", "--iters", "1", "--warmup", "1", "--json", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.load(open(out))["results"]
+    assert set(results) == {"no-ac", "torch-full", "ac2-inline", "ac2-side-stream-prefetch"}
+    assert all(r["peak_bytes"] > 0 and r["backward_seconds_median"] > 0 for r in results.values())
