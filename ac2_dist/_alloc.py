@@ -28,10 +28,6 @@ class Phase:
     end_bytes: int = 0  # live bytes when it ended
     allocations: int = 0
 
-    @property
-    def peak_increase(self) -> int:
-        return self.peak_bytes - self.start_bytes
-
 
 @dataclass
 class AllocationTrace:

@@ -168,10 +168,6 @@ class _Frame:
             return _CP.MUST_SAVE if op in self.save_set else _CP.PREFER_RECOMPUTE
         return _check_decision(self.fn(ctx, op, *args, **kwargs), self, op)
 
-    @property
-    def needs_ctx(self) -> bool:
-        return self.fn is not None
-
 
 def resolve(frames: list[_Frame], ctx: PolicyContext, op: Any, args: tuple, kwargs: dict) -> Decision:
     """Combine the policies of nested regions, outermost first (CONTRACT §2).
