@@ -22,7 +22,7 @@ import torch.nn as nn
 from ._policy import PolicyLike, _Frame
 from ._region import _thread_state, apply_ac_policy
 from .fsdp import is_fsdp_unit, unsharded_params
-from .replay import DEFAULT_CONFIG, ReplayConfig
+from .replay import DEFAULT_CONFIG, ReplayConfig, trace_range
 
 __all__ = ["apply_ac", "wrap", "unwrap"]
 
@@ -91,7 +91,7 @@ def _link_for_prefetch(graph: Any, config: ReplayConfig, fqn: str, args: Any, kw
                 break
             if log is not None:
                 log("prefetch_start", unit.fqn)
-            with torch.autograd.profiler.record_function("ac2::prefetch"):
+            with trace_range("ac2::prefetch"):
                 unit.prefetch()
             if log is not None:
                 log("prefetch_end", unit.fqn)

@@ -36,6 +36,7 @@ Note [Replay environment]
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.profiler import record_function
+
+_NULL = contextlib.nullcontext()
+
+
+def trace_range(name: str) -> Any:
+    """A profiler range named ``name`` while a profiler runs; free otherwise (~20 us saved
+    per replay: ``record_function`` costs that even with no profiler attached)."""
+    return record_function(name) if torch._C._autograd._profiler_enabled() else _NULL
 
 if TYPE_CHECKING:
     from ._graph import Graph, Node
@@ -127,7 +136,7 @@ class InlineExecutor:
 
     def realize(self, graph: Graph, node: Node, idx: int) -> Any:
         """Value of ``node[idx]`` for a consumer on the calling thread / stream."""
-        with record_function("ac2::replay"):
+        with trace_range("ac2::replay"):
             return self._realize(graph, node, idx)
 
     def prefetch(self, graph: Graph, node: Node, idx: int) -> tuple[Any, Any]:
@@ -188,7 +197,7 @@ class SideStreamExecutor(InlineExecutor):
     def prefetch(self, graph: Graph, node: Node, idx: int) -> tuple[Any, Any]:
         side = self._side()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), record_function("ac2::replay"):
+        with torch.cuda.stream(side), trace_range("ac2::replay"):
             value = self._realize(graph, node, idx)
         return value, side.record_event()
 
