@@ -239,3 +239,32 @@ def test_fsdp_mixed_precision_and_int_reshard(world, reshard):
         for name, (bitwise, count, eager_count) in r.items():
             assert bitwise, name
             assert count <= 4 and count == eager_count, (name, count, eager_count)
+
+
+def _must_recompute_across_units(rank, world):
+    """MUST_RECOMPUTE on the residual adds that end every block: unit outputs are then
+    not boundaries, replays reach into the previous (resharded) unit, and must unshard
+    it first (Note [Replays unshard what they read])."""
+    model, ref, units, _ = _build("one region around the model", True, "recompute_all", world)
+
+    def policy(ctx, op, *args, **kwargs):
+        if op is aten.add.Tensor:
+            return ac.CheckpointPolicy.MUST_RECOMPUTE
+        return ac.CheckpointPolicy.PREFER_RECOMPUTE
+
+    tokens = _tokens(0, rank)
+    with ac.apply_ac_policy(policy) as region:
+        loss = _loss(model, tokens)
+    counter = AllGatherCounter()
+    with counter:
+        loss.backward()
+    ref_loss = sum(_loss(ref, _tokens(0, r)) for r in range(world)) / world
+    ref_loss.backward()
+    err = max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    return {"err": err, "gathers": counter.count, "units": units, "replayed": region.stats.recomputed_ops}
+
+
+def test_replay_across_unit_boundary_unshards_first():
+    for r in run_ranks(_must_recompute_across_units, timeout=240):
+        assert r["err"] < 1e-5, r
+        assert 0 < r["gathers"] <= r["units"], r  # each unit still gathered at most once
