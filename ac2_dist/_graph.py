@@ -20,10 +20,13 @@ Note [Use counts free recomputed values as soon as consumed]
 Note [Epochs: retain_graph=True]
     Without ``retain_graph`` autograd frees each handle after unpacking it and a
     second backward fails inside autograd with its own "retain_graph" error. With it,
-    handles survive and are unpacked again. A handle unpacked twice in one epoch
-    means a new backward pass started: the epoch advances and every handle consumed
-    in an earlier epoch is armed again (handles not yet consumed still hold their
-    pending use), before anything is replayed.
+    handles survive and are unpacked again. Each handle remembers the autograd
+    GraphTask (one backward call, ``torch._C._current_graph_task_id()``) that consumed
+    it; a handle consumed by an earlier task being unpacked means a new backward pass
+    started: every handle consumed by an earlier task is armed again (handles not yet
+    consumed still hold their pending use) before anything is replayed. A handle read
+    twice within one task (a custom Function reading ``saved_tensors`` twice) is armed
+    once more for that read only.
 
 Note [Saved values are version-checked references]
     Saved values (region inputs, policy saves, side-effect outputs) are held by
@@ -54,6 +57,16 @@ _OFFLOAD = frozenset({_CP.MUST_CPU_OFFLOAD, _CP.PREFER_CPU_OFFLOAD})
 
 #: Why a value is held after forward (keys of ``RankReport.saved_bytes_by_reason``).
 REASONS = ("policy", "side_effect", "rng", "boundary", "tagged", "offloaded")
+
+
+def alias(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()`` sharing ``t``'s version counter even inside the tracer.
+
+    Below the ADInplaceOrView key (in a dispatch mode) a plain ``detach()`` gets a
+    fresh version counter, which would blind the version check of saved values.
+    """
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return t.detach()
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
@@ -101,6 +114,7 @@ class Saved:
         allow_mutation: bool,
         keep_identity: bool,
         owner: str,
+        version: int | None = None,
     ) -> None:
         self.reason = reason
         self.allow_mutation = allow_mutation
@@ -116,17 +130,25 @@ class Saved:
         )
         if isinstance(decision, SAVE_WITH_HOOKS):
             self.hooks = decision
-            self.value = decision.pack(t if keep_identity else t.detach())
+            self.value = decision.pack(t if keep_identity else alias(t))
             self.reason = "offloaded"
             return
         if decision in _OFFLOAD:
             self.reason = "offloaded"
             if t.device.type != "cpu":
                 self.device = t.device
-                self.value = t.detach().to("cpu", non_blocking=True)
+                self.value = alias(t).to("cpu", non_blocking=True)
                 return
-        self.value = t if keep_identity else t.detach()
-        self.version = t._version
+        self.value = t if keep_identity else alias(t)
+        self.version = t._version if version is None else version
+
+    def snapshot(self) -> None:
+        """Keep a private copy: the referenced tensor is about to be written in place
+        while replays still need its current value (Note [Versions of written tensors])."""
+        if self.hooks is None and self.device is None:
+            with torch.no_grad():
+                self.value = alias(self.value).clone()
+            self.version = None
 
     def get(self) -> torch.Tensor:
         if self.hooks is not None:
@@ -162,6 +184,7 @@ class Node:
         "fqn",
         "must_recompute",
         "fsdp_unit",
+        "read_by_replay",
         "__weakref__",
     )
 
@@ -181,6 +204,7 @@ class Node:
         self.fqn = fqn
         self.must_recompute = False  # the policy said MUST_RECOMPUTE: never made a boundary
         self.fsdp_unit: weakref.ref | None = None  # leaf = unsharded param of this FSDP unit
+        self.read_by_replay = False  # some recomputable node takes one of its outputs
 
     def __repr__(self) -> str:
         return f"Node({self.op or 'input'}, seq={self.seq})"
@@ -270,13 +294,15 @@ class TensorMap:
 class Handle:
     """What autograd keeps instead of a saved tensor: a pointer to a node output."""
 
-    __slots__ = ("graph", "node", "idx", "consumed_epoch", "prefetched", "ready", "__weakref__")
+    __slots__ = ("graph", "node", "idx", "consumed_task", "prefetched", "ready", "__weakref__")
 
     def __init__(self, graph: Graph, node: Node, idx: int) -> None:
         self.graph = graph
         self.node = node
         self.idx = idx
-        self.consumed_epoch: int | None = None
+        # The autograd GraphTask (one backward call) that consumed this handle's pending
+        # use, if any (Note [Epochs: retain_graph=True]).
+        self.consumed_task: int | None = None
         self.prefetched: Any = None  # value realized ahead of its unpack (Note [Prefetching ...])
         self.ready: Any = None  # the event that value is ready on (side-stream executor)
 
@@ -315,15 +341,19 @@ class Graph:
         reason: str,
         allow_mutation: bool,
         owner: str = "region input",
+        version: int | None = None,
     ) -> Node:
-        """A saved node holding ``t`` as it is now (a region input or a new version)."""
+        """A saved node holding ``t`` (a region input or a new version; ``version``:
+        the version ``t`` will have once the op writing it returns)."""
         node = self.new_node(None, 1, self.frames[-1].module_fqn if self.frames else "")
+        version = t._version if version is None else version
         saved = Saved(
-            t, decision, reason=reason, allow_mutation=allow_mutation, keep_identity=True, owner=owner
+            t, decision, reason=reason, allow_mutation=allow_mutation, keep_identity=True, owner=owner,
+            version=version,
         )
         node.set_saved(0, saved)
         self.stats.saved_nodes += 1
-        self.map.set(t, node, 0, t._version)
+        self.map.set(t, node, 0, version)
         return node
 
     def ref(self, t: torch.Tensor, allow_mutation: bool) -> tuple[Node, int]:
@@ -517,26 +547,49 @@ class Graph:
                 h.prefetched = h.ready = None
                 self._unpark(value)
                 return self.executor.hand_over(value, ready)
-            if h.consumed_epoch is not None and h.consumed_epoch == self.epoch:
-                self._new_epoch()
+            task = torch._C._current_graph_task_id()
+            if task < 0 or h.consumed_task == task:
+                # Read outside backward, or a second time in the same backward (a custom
+                # Function reading ctx.saved_tensors twice): one extra use of this value.
+                self.arm(h.node, h.idx)
+                return self.executor.realize(self, h.node, h.idx)
+            if h.consumed_task is not None:
+                self._new_epoch(task)  # a retained graph differentiated again
             v = self.executor.realize(self, h.node, h.idx)
-            h.consumed_epoch = self.epoch
+            h.consumed_task = task
             return v
 
     def prefetch(self) -> int:
         """Realize every handle not yet consumed in this backward and park the value
         on it (Note [Prefetching the next unit's replay]). Returns how many."""
+        task = torch._C._current_graph_task_id()
         done = 0
         with self.lock:
             for h in list(self.handles):
-                if h.consumed_epoch is not None or h.prefetched is not None:
+                if h.prefetched is not None or (h.consumed_task is not None and h.consumed_task == task):
                     continue
+                if h.consumed_task is not None:
+                    self._new_epoch(task)
                 value, ready = self.executor.prefetch(self, h.node, h.idx)
                 h.prefetched, h.ready = value, ready
-                h.consumed_epoch = self.epoch
+                h.consumed_task = task
                 self._park(value)
                 done += 1
+        if done and task >= 0:
+            # Values this backward never unpacks (a partial backward) are let go when it
+            # ends; their handles count as consumed, so a later pass re-arms them.
+            this = weakref.ref(self)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: (g := this()) is not None and g._drop_parked()
+            )
         return done
+
+    def _drop_parked(self) -> None:
+        with self.lock:
+            for h in list(self.handles):
+                if h.prefetched is not None:
+                    self._unpark(h.prefetched)
+                    h.prefetched = h.ready = None
 
     def _park(self, value: Any) -> None:
         """Account a prefetched value once, however many handles hold it."""
@@ -555,10 +608,12 @@ class Graph:
             else:
                 self.stats.cached_bytes -= tensor_nbytes(value)
 
-    def _new_epoch(self) -> None:
+    def _new_epoch(self, task: int) -> None:
+        """A new backward over a retained graph: every handle consumed by an earlier one
+        gets its pending use back (parked prefetched values are still valid: kept)."""
         self.epoch += 1
         self.stats.backward_epochs += 1
         for h in list(self.handles):
-            if h.consumed_epoch is not None:
-                h.consumed_epoch = None
+            if h.consumed_task is not None and h.consumed_task != task and h.prefetched is None:
+                h.consumed_task = None
                 self.arm(h.node, h.idx)

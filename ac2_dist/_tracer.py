@@ -18,6 +18,16 @@ Note [What the tracer decides per op]
     5. Every tensor an op writes becomes a new version: the map now points it at a
        saved node holding the post-op value (see Note [Saved values are
        version-checked references] in _graph.py).
+
+Note [Versions of written tensors]
+    The tracer runs below autograd's ADInplaceOrView key, which bumps the version of
+    every tensor an op writes (schema ``(a!)``) *after* the op returns to it. So the
+    version recorded for a written tensor is ``_version + 1``; otherwise the very next
+    use would look stale. Writes a schema hides (batch-norm stats, c10d) bump nothing.
+    Before an op writes a tensor whose current value is held by reference (a region
+    input or a saved output) and that a recomputable op already read, that value is
+    snapshotted (cloned): the replay needs the value before the write (e.g. autograd's
+    own ``self.clone()`` saved for ``mul_``'s backward).
 """
 
 from __future__ import annotations
@@ -116,6 +126,7 @@ class Tracer(TorchDispatchMode):
 
         rng = None
         writes = info.written and info.writes(args)
+        written = self._before_writes(info, args, kwargs) if writes else None
         random = info.is_rng and info.is_random(args, kwargs)
         if random and inner.rng == "replay" and not writes:
             gen = info.generator(args, kwargs) or default_generator(_rng_device(args, kwargs))
@@ -178,6 +189,7 @@ class Tracer(TorchDispatchMode):
 
         graph = self.graph
         gmap = graph.map
+        bump = 1 if writes and info.declared_writes else 0
         if not save:
             node = self._recomputable(graph, func, info, args, kwargs, len(flat), inner)
             node.rng = rng
@@ -189,18 +201,44 @@ class Tracer(TorchDispatchMode):
             for i, o in enumerate(flat):
                 if isinstance(o, _Tensor):
                     keep = keep_base and not (o.is_floating_point() or o.is_complex())
+                    version = o._version + bump if bump and id(o) in written else None
                     node.set_saved(
                         i,
                         Saved(o, decision, reason=reason, allow_mutation=inner.allow_mutation,
-                              keep_identity=keep, owner=f"output of {func}"),
+                              keep_identity=keep, owner=f"output of {func}", version=version),
                     )
         for i, o in enumerate(flat):
             if isinstance(o, _Tensor):
-                gmap.set(o, node, i, o._version)
+                gmap.set(o, node, i, o._version + bump if bump and id(o) in written else o._version)
 
         if writes:
-            self._new_versions(graph, info, args, kwargs, flat, inner.allow_mutation)
+            returned = {id(o) for o in flat if isinstance(o, _Tensor)}
+            owner = f"tensor written by {func}"
+            for t in written.values():
+                if id(t) not in returned:
+                    graph.leaf(t, _CP.MUST_SAVE, "side_effect", inner.allow_mutation, owner, t._version + bump)
         return out
+
+    def _before_writes(self, info, args, kwargs) -> dict[int, torch.Tensor]:
+        """The tensors this op writes (by id); snapshot held values replays still need
+        (Note [Versions of written tensors])."""
+        written: dict[int, torch.Tensor] = {}
+        for pos in info.written:
+            stack = [args[pos] if type(pos) is int and pos < len(args) else kwargs.get(pos)]
+            while stack:  # a tensor, a list of tensors or (allgather_) a list of lists
+                w = stack.pop()
+                if isinstance(w, _Tensor):
+                    written[id(w)] = w
+                elif isinstance(w, (list, tuple)):
+                    stack.extend(w)
+        gmap = self.graph.map
+        for t in written.values():
+            e = gmap.get(t)
+            if e is not None and e[3] == t._version:
+                node, idx = e[1], e[2]
+                if node.read_by_replay and node.saved is not None and node.saved[idx] is not None:
+                    node.saved[idx].snapshot()
+        return written
 
     @staticmethod
     def _recomputable(graph: Graph, func, info, args, kwargs, nout, frame) -> Node:
@@ -211,6 +249,7 @@ class Tracer(TorchDispatchMode):
         for i, a in enumerate(args):
             if isinstance(a, _Tensor):
                 m, j = graph.ref(a, allow)
+                m.read_by_replay = True
                 inputs.append((i, m, j))
                 targs[i] = None
             elif info.has_tensor_lists and type(a) in (list, tuple):
@@ -218,6 +257,7 @@ class Tracer(TorchDispatchMode):
                 for k, e in enumerate(a):
                     if isinstance(e, _Tensor):
                         m, j = graph.ref(e, allow)
+                        m.read_by_replay = True
                         inputs.append(((i, k), m, j))
                         lst[k] = None
                         node.lists = True
@@ -228,6 +268,7 @@ class Tracer(TorchDispatchMode):
             for k, v in kwargs.items():
                 if isinstance(v, _Tensor):
                     m, j = graph.ref(v, allow)
+                    m.read_by_replay = True
                     inputs.append((k, m, j))
                     tkw[k] = None
                 elif info.has_tensor_lists and type(v) in (list, tuple):
@@ -235,23 +276,10 @@ class Tracer(TorchDispatchMode):
                     for n, e in enumerate(v):
                         if isinstance(e, _Tensor):
                             m, j = graph.ref(e, allow)
+                            m.read_by_replay = True
                             inputs.append(((k, n), m, j))
                             lst[n] = None
                             node.lists = True
                     tkw[k] = lst
             node.kwargs = tkw
         return node
-
-    @staticmethod
-    def _new_versions(graph: Graph, info, args, kwargs, flat, allow: bool) -> None:
-        returned = {id(o) for o in flat if isinstance(o, _Tensor)}
-        owner = f"tensor written by {info.op}"
-        for pos in info.written:
-            stack = [args[pos] if type(pos) is int and pos < len(args) else kwargs.get(pos)]
-            while stack:  # a tensor, a list of tensors or (allgather_) a list of lists
-                w = stack.pop()
-                if isinstance(w, _Tensor):
-                    if id(w) not in returned:
-                        graph.leaf(w, _CP.MUST_SAVE, "side_effect", allow, owner)
-                elif isinstance(w, (list, tuple)):
-                    stack.extend(w)

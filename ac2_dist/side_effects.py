@@ -81,6 +81,10 @@ class OpInfo:
     #: If set, ``written`` only applies when ``args[write_flag]`` is true (Note [Schemas
     #: that hide writes]).
     write_flag: int | None
+    #: The writes are declared in the schema (``(a!)``): autograd's ADInplaceOrView
+    #: kernel bumps each written tensor's version once *after* the tracer saw the op
+    #: (Note [Versions of written tensors] in _tracer.py). Hidden writes bump nothing.
+    declared_writes: bool
     #: Some argument is a ``Tensor[]`` / ``Tensor?[]`` (slower argument walk).
     has_tensor_lists: bool
     #: Some return aliases an input (view ops): saved outputs are detached.
@@ -193,7 +197,7 @@ def _classify_namespace(ns: str) -> SideEffect:
 def _build(op: torch._ops.OpOverload) -> OpInfo:
     schema = getattr(op, "_schema", None)
     if schema is None:  # e.g. a higher-order op reaching the mode: never replayed
-        return OpInfo(op, False, SideEffect.OPAQUE, (), False, None, None, None, True, True)
+        return OpInfo(op, False, SideEffect.OPAQUE, (), False, None, None, None, False, True, True)
     written: list[int | str] = []
     dropout_arg = generator_arg = None
     has_lists = False
@@ -208,14 +212,17 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
         elif arg.name == "generator":
             generator_arg = (i, arg.name)
     write_flag = None
+    declared = bool(written)
     hidden = _UNDECLARED_WRITES.get(schema.name) if not schema.overload_name else None
     if hidden is not None:
         written, write_flag = list(hidden[0]), hidden[1]
+        declared = False
     elif op.namespace == "c10d" and schema.name.endswith("_") and schema.arguments:
         # Legacy in-place collectives (allreduce_, broadcast_, _allgather_base_, ...) write
         # their first argument (a tensor, a list or a list of lists) without an (a!)
         # annotation: that argument gets a new version (Note [Schemas that hide writes]).
         written = [0]
+        declared = False
     returns_alias = any(r.alias_info is not None for r in schema.returns)
     side_effect = _classify_namespace(op.namespace)
     if side_effect is SideEffect.NONE and _REGISTRY.matches(op):
@@ -235,6 +242,7 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
         dropout_arg=dropout_arg,
         generator_arg=generator_arg,
         write_flag=write_flag,
+        declared_writes=declared,
         has_tensor_lists=has_lists,
         returns_alias=returns_alias,
     )

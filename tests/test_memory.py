@@ -169,3 +169,19 @@ def test_no_leak_over_500_iterations():
         step(i)
     assert _live_nodes() == nodes == 0
     assert _live_tensors() == tensors
+
+
+def test_in_place_ops_leave_no_reference_cycle():
+    """Written tensors are recorded at the version autograd gives them after the op, so
+    the next use does not re-wrap the live tensor in a leaf (which would form the cycle
+    tensor -> grad_fn -> handle -> leaf -> tensor and keep the graph after a dropped
+    forward)."""
+    base = _live_nodes()
+    x = torch.randn(8, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    for _ in range(3):
+        h = x * 1.0
+        with ac.apply_ac_policy("recompute_all"):
+            y = (x @ x).relu_().mul_(w).sum() + h.mul_(w).sum()
+        del y, h  # no backward (validation with grad on, an exception, a dropped loss)
+    assert _live_nodes() == base
