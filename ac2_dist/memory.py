@@ -135,6 +135,12 @@ class Tracker:
         st = _thread_state()
         if st.tracker is not None:
             raise RuntimeError("ac2_dist.memory.track: a tracker is already active on this thread")
+        if torch._C._autograd._profiler_enabled():
+            raise RuntimeError(
+                "ac2_dist.memory.track reads allocations and all-gathers from torch.profiler and "
+                "cannot run inside another profiler session (it would end yours); track outside "
+                "the profiler, or read memory from your own profile"
+            )
         st.tracker = self
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
@@ -148,7 +154,15 @@ class Tracker:
             self._hooks.append(self.model.register_forward_pre_hook(self._on_forward))
             self._hooks.append(self.model.register_forward_hook(self._on_forward_end))
         self._trace = AllocationTrace(device_type=self._report.device, watch=_ALLGATHER_EVENTS)
-        self._trace.__enter__()
+        try:
+            self._trace.__enter__()  # fails if another profiler is running
+        except BaseException:
+            self._trace = None
+            st.tracker = None
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            raise
         if self.model is None:
             self._on_forward()
         return self

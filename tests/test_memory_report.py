@@ -100,6 +100,14 @@ def test_tracking_without_a_model_and_multiple_steps():
     with pytest.raises(RuntimeError, match="already active"):
         with memory.track(), memory.track():
             pass
+    from torch.profiler import profile
+
+    with profile(), pytest.raises(RuntimeError, match="inside another profiler"):
+        with memory.track():
+            pass
+    with memory.track() as again:  # nothing was left behind by the refusals
+        pass
+    assert again.report().steps == 1
 
 
 def test_json_round_trip_table_cli_and_png(tmp_path, capsys):
