@@ -291,6 +291,11 @@ class TensorMap:
         return len(self._d)
 
 
+def _wrapped_fqn(module: Any, default: str) -> str:
+    wrapped = getattr(module, "__dict__", {}).get("_ac2_wrap")
+    return wrapped[1].module_fqn if wrapped is not None else default
+
+
 class Handle:
     """What autograd keeps instead of a saved tensor: a pointer to a node output."""
 
@@ -459,7 +464,7 @@ class Graph:
                 triggered = ensure_unsharded(node.fsdp_unit)
                 if self.log is not None:
                     unit = node.fsdp_unit()
-                    self.log("unshard" if triggered else "unsharded", getattr(unit, "_ac2_fqn", self.fqn))
+                    self.log("unshard" if triggered else "unsharded", _wrapped_fqn(unit, self.fqn))
             if self.create_graph and s.detached:
                 raise RuntimeError(
                     f"ac2_dist: backward with create_graph=True needs the saved {s.owner} with "
@@ -563,6 +568,8 @@ class Graph:
         """Realize every handle not yet consumed in this backward and park the value
         on it (Note [Prefetching the next unit's replay]). Returns how many."""
         task = torch._C._current_graph_task_id()
+        if self.tracker is not None:
+            self.tracker._on_unpack()  # a prefetch is backward work
         done = 0
         with self.lock:
             for h in list(self.handles):
@@ -575,21 +582,9 @@ class Graph:
                 h.consumed_task = task
                 self._park(value)
                 done += 1
-        if done and task >= 0:
-            # Values this backward never unpacks (a partial backward) are let go when it
-            # ends; their handles count as consumed, so a later pass re-arms them.
-            this = weakref.ref(self)
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: (g := this()) is not None and g._drop_parked()
-            )
+        # A value this backward does not unpack (it stops early, or the graph belongs
+        # to another loss's backward) stays parked for the backward that does.
         return done
-
-    def _drop_parked(self) -> None:
-        with self.lock:
-            for h in list(self.handles):
-                if h.prefetched is not None:
-                    self._unpark(h.prefetched)
-                    h.prefetched = h.ready = None
 
     def _park(self, value: Any) -> None:
         """Account a prefetched value once, however many handles hold it."""

@@ -26,7 +26,7 @@ from .replay import DEFAULT_CONFIG, ReplayConfig, trace_range
 
 __all__ = ["apply_ac", "wrap", "unwrap"]
 
-_ATTR = "_ac2_wrapped_forward"
+_ATTR = "_ac2_wrap"  # (forward before wrapping or None, policy frame, ReplayConfig)
 
 ModuleSelector = type | tuple | list | Callable[[str, nn.Module], bool] | None
 
@@ -48,23 +48,30 @@ def wrap(
     """
     frame = _Frame(policy, rng=rng, allow_mutation=allow_cache_entry_mutation, module_fqn=module_fqn)
     config = replay or DEFAULT_CONFIG
-    original = getattr(module, _ATTR, None) or module.forward
-    module._ac2_fqn = module_fqn
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        region = apply_ac_policy._from_frame(frame, config)
-        with region:
-            out = original(*args, **kwargs)
-            if is_fsdp_unit(module):  # our region runs inside FSDP's pre/post-forward
-                _thread_state().graph.mark_fsdp_params(unsharded_params(module), module)
-        if region.graph is not None and torch.is_grad_enabled():
-            _link_for_prefetch(region.graph, config, module_fqn, args, kwargs, out)
-        return out
-
-    module.forward = forward
-    setattr(module, _ATTR, original)
+    if _ATTR in module.__dict__:  # re-wrap: keep what forward was before the first wrap
+        previous = module.__dict__[_ATTR][0]
+    else:
+        previous = module.__dict__.get("forward")  # an instance-level forward, if any
+    # A partial over a module-level function (not a closure): copy.deepcopy maps the
+    # module argument to the copy, and torch.save can pickle it.
+    module.forward = functools.partial(_checkpointed_forward, module)
+    module.__dict__[_ATTR] = (previous, frame, config)
     return module
+
+
+def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    previous, frame, config = module.__dict__[_ATTR]
+    region = apply_ac_policy._from_frame(frame, config)
+    with region:
+        if previous is not None:
+            out = previous(*args, **kwargs)
+        else:
+            out = type(module).forward(module, *args, **kwargs)
+        if is_fsdp_unit(module):  # our region runs inside FSDP's pre/post-forward
+            _thread_state().graph.mark_fsdp_params(unsharded_params(module), module)
+    if region.graph is not None and torch.is_grad_enabled():
+        _link_for_prefetch(region.graph, config, frame.module_fqn, args, kwargs, out)
+    return out
 
 
 def _link_for_prefetch(graph: Any, config: ReplayConfig, fqn: str, args: Any, kwargs: Any, out: Any) -> None:
@@ -111,9 +118,13 @@ def _link_for_prefetch(graph: Any, config: ReplayConfig, fqn: str, args: Any, kw
 
 def unwrap(module: nn.Module) -> nn.Module:
     """Undo :func:`wrap` (no-op for a module that is not wrapped)."""
-    original = module.__dict__.pop(_ATTR, None)
-    if original is not None:
-        module.__dict__.pop("forward", None)
+    wrapped = module.__dict__.pop(_ATTR, None)
+    if wrapped is not None:
+        previous = wrapped[0]
+        if previous is not None:
+            module.__dict__["forward"] = previous
+        else:
+            module.__dict__.pop("forward", None)
     return module
 
 

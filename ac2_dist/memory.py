@@ -38,8 +38,8 @@ _ALLGATHER_EVENTS = frozenset({"c10d::_allgather_base_", "_c10d_functional::all_
 class RankReport:
     """One rank's figures; bytes are ints. ``to_dict()`` is JSON-safe.
 
-    Peaks are the most bytes allocated at any moment of a phase (the largest step),
-    above what was allocated when tracking started.
+    Peaks are the most bytes allocated at any moment of a phase, above what was
+    allocated when that step's forward started (largest step reported).
     """
 
     rank: int = 0
@@ -126,13 +126,17 @@ class Tracker:
         self._report = RankReport()
         self._in_backward = False
         self._param_storages: set[int] = set()
-        self._cuda = torch.cuda.is_available() and any(
-            p.is_cuda for p in (model.parameters() if model is not None else ())
-        )
+        if model is None:
+            self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        else:
+            self._cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
+        self._used = False
 
     # ---- lifecycle ----------------------------------------------------------------
     def __enter__(self) -> Tracker:
         st = _thread_state()
+        if self._used:
+            raise RuntimeError("ac2_dist.memory.track: a Tracker is single-use; call track() again")
         if st.tracker is not None:
             raise RuntimeError("ac2_dist.memory.track: a tracker is already active on this thread")
         if torch._C._autograd._profiler_enabled():
@@ -142,16 +146,19 @@ class Tracker:
                 "the profiler, or read memory from your own profile"
             )
         st.tracker = self
+        self._used = True
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
             self._report.rank, self._report.world_size = dist.get_rank(), dist.get_world_size()
         self._report.device = "cuda" if self._cuda else "cpu"
-        # Peaks are reported above what was allocated when tracking started (parameters,
-        # optimizer state and inputs allocated before are not activations).
-        self._cuda_base = torch.cuda.memory_allocated() if self._cuda else 0
+        # Figures are per step, above what was allocated when that step's forward started
+        # (parameters, gradients and optimizer state from earlier are not activations).
+        self._cuda_step_base = torch.cuda.memory_allocated() if self._cuda else 0
         if self.model is not None:
             self._param_storages = {_storage_key(p) for p in self.model.parameters()}
-            self._hooks.append(self.model.register_forward_pre_hook(self._on_forward))
+            # prepend: run before FSDP's root pre-forward, whose all-gather belongs to
+            # this step's forward, not the previous step's backward.
+            self._hooks.append(self.model.register_forward_pre_hook(self._on_forward, prepend=True))
             self._hooks.append(self.model.register_forward_hook(self._on_forward_end))
         self._trace = AllocationTrace(device_type=self._report.device, watch=_ALLGATHER_EVENTS)
         try:
@@ -184,6 +191,7 @@ class Tracker:
             self._in_backward = False
             self._trace.mark(f"forward:{self._report.steps}")
             if self._cuda:
+                self._cuda_step_base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
 
     def _on_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -193,6 +201,8 @@ class Tracker:
         self._snapshot_saved()
         if self._cuda:
             self._cuda_forward_peak = torch.cuda.max_memory_allocated()
+            r = self._report
+            r.live_bytes_after_forward = max(r.live_bytes_after_forward, torch.cuda.memory_allocated() - self._cuda_step_base)
         self._on_backward()
 
     def _on_backward(self, *args: Any) -> None:
@@ -201,7 +211,8 @@ class Tracker:
             self._trace.mark(f"backward:{self._report.steps}")
             if self._cuda:
                 self._report.peak_bytes_forward = max(
-                    self._report.peak_bytes_forward, getattr(self, "_cuda_forward_peak", 0) - self._cuda_base
+                    self._report.peak_bytes_forward,
+                    getattr(self, "_cuda_forward_peak", 0) - self._cuda_step_base,
                 )
                 torch.cuda.reset_peak_memory_stats()
 
@@ -222,19 +233,27 @@ class Tracker:
         r = self._report
         if total >= r.saved_bytes:  # the largest step
             r.saved_bytes, r.saved_bytes_by_reason = total, by_reason
+            for entry in r.per_module.values():
+                entry["saved_bytes"] = 0
             for fqn, nbytes in by_module.items():
                 r.per_module.setdefault(fqn, {"saved_bytes": 0, "recomputed_bytes": 0})["saved_bytes"] = nbytes
 
     def _finish(self, trace: AllocationTrace) -> None:
         r = self._report
-        for name, phase in trace.phases.items():
-            if name.startswith("forward:"):
-                r.peak_bytes_forward = max(r.peak_bytes_forward, phase.peak_bytes)
-                r.live_bytes_after_forward = max(r.live_bytes_after_forward, phase.end_bytes)
-            elif name.startswith("backward:"):
-                r.peak_bytes_backward = max(r.peak_bytes_backward, phase.peak_bytes)
+        phases = trace.phases
+        for name, phase in phases.items():
+            kind, _, step = name.partition(":")
+            forward = phases.get(f"forward:{step}")
+            base = forward.start_bytes if forward is not None else 0  # live when the step began
+            if self._cuda:
+                continue
+            if kind == "forward":
+                r.peak_bytes_forward = max(r.peak_bytes_forward, phase.peak_bytes - base)
+                r.live_bytes_after_forward = max(r.live_bytes_after_forward, phase.end_bytes - base)
+            elif kind == "backward":
+                r.peak_bytes_backward = max(r.peak_bytes_backward, phase.peak_bytes - base)
         if self._cuda:
-            r.peak_bytes_backward = max(r.peak_bytes_backward, torch.cuda.max_memory_allocated() - self._cuda_base)
+            r.peak_bytes_backward = max(r.peak_bytes_backward, torch.cuda.max_memory_allocated() - self._cuda_step_base)
         r.allgathers_backward = sum(
             trace.calls_after(name) - trace.calls_after(f"forward:{int(name.split(':')[1]) + 1}")
             for name in trace.phases
@@ -282,8 +301,11 @@ def save_run(reports: list[RankReport], path: str) -> None:
 
 
 def load_run(path: str) -> list[RankReport]:
+    """Read a file written by :func:`save_run`; ValueError if it is not one."""
     with open(path) as f:
         data = json.load(f)
+    if not isinstance(data, dict) or not isinstance(data.get("ranks"), list):
+        raise ValueError(f"ac2_dist: {path} is not a run file (expected {{'schema_version', 'ranks': [...]}})")
     if data.get("schema_version") != SCHEMA_VERSION:
         raise ValueError(f"ac2_dist: {path} has schema_version {data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
     return [RankReport.from_dict(d) for d in data["ranks"]]

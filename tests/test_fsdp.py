@@ -268,3 +268,21 @@ def test_replay_across_unit_boundary_unshards_first():
     for r in run_ranks(_must_recompute_across_units, timeout=240):
         assert r["err"] < 1e-5, r
         assert 0 < r["gathers"] <= r["units"], r  # each unit still gathered at most once
+
+
+def _tracked_steps(rank, world):
+    model, _, units, _ = _build("apply_ac before fully_shard", True, "recompute_all", world)
+    counted = 0
+    with ac.memory.track(model) as tracker:  # one tracker over three steps
+        for step in range(3):
+            loss = _loss(model, _tokens(step, rank))
+            counter = AllGatherCounter()
+            with counter:
+                loss.backward()
+            counted += counter.count
+    return tracker.report().allgathers_backward, counted
+
+
+def test_report_counts_backward_allgathers_over_several_steps():
+    for reported, counted in run_ranks(_tracked_steps, timeout=240):
+        assert reported == counted == 12, (reported, counted)

@@ -174,3 +174,31 @@ def test_gather_on_two_ranks_shows_imbalance():
     saved_row = next(line for line in table.splitlines() if line.startswith("saved after forward"))
     assert saved_row.rstrip().endswith("1.50x")  # max / mean = 3 / 2
     print("\n" + table)
+
+
+def test_multi_step_figures_are_per_step_and_tracker_is_single_use(tmp_path):
+    def run(steps):
+        model = _chain()
+        ac.apply_ac(model, "recompute_all")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x = torch.randn(B, D)
+        with memory.track(model) as tracker:
+            for _ in range(steps):
+                model(x).sum().backward()
+                opt.step()  # momentum buffers appear after step 1: not activations
+                opt.zero_grad(set_to_none=True)
+        return tracker
+
+    one, three = run(1).report(), run(3).report()
+    assert three.steps == 3
+    assert three.peak_bytes_forward == one.peak_bytes_forward
+    assert three.live_bytes_after_forward == one.live_bytes_after_forward
+    assert three.recomputed_ops == 3 * one.recomputed_ops
+    tracker = run(1)
+    with pytest.raises(RuntimeError, match="single-use"):
+        with tracker:
+            pass
+    bad = os.path.join(tmp_path, "list.json")
+    with open(bad, "w") as f:
+        f.write("[]")
+    assert report_main([bad]) == 2

@@ -66,3 +66,32 @@ def test_wrap_twice_replaces_policy():
     with OpCounter() as counter:
         y.backward()
     assert counter["aten.tanh"] == 0  # the second policy (save everything) is in force
+
+
+def test_wrapped_model_deepcopies_and_pickles():
+    import io
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    ac.apply_ac(model, "recompute_all")
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.zero_()
+    x = torch.randn(2, 8)
+    assert clone(x).abs().sum().item() == 0.0  # the copy runs its own weights
+    assert model(x).abs().sum().item() > 0.0
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert torch.equal(loaded(x), model(x))
+
+
+def test_unwrap_restores_an_instance_level_forward():
+    m = torch.nn.Linear(4, 4)
+    m.forward = lambda x: "custom"
+    ac.wrap(m, "recompute_all")
+    ac.wrap(m, "must_save_all")  # re-wrap keeps the forward from before the first wrap
+    assert m(torch.randn(1, 4)) == "custom"
+    ac.unwrap(m)
+    assert m(torch.randn(1, 4)) == "custom" and "_ac2_wrap" not in m.__dict__
