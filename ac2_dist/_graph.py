@@ -287,9 +287,6 @@ class TensorMap:
             ref.key = key
         self._d[key] = (ref, node, idx, version)
 
-    def __len__(self) -> int:
-        return len(self._d)
-
 
 def _wrapped_fqn(module: Any, default: str) -> str:
     wrapped = getattr(module, "__dict__", {}).get("_ac2_wrap")
@@ -523,25 +520,25 @@ class Graph:
                 (args if type(p) is int else kwargs)[p][k] = v
         node.scheduled = False
         flat = flatten_outputs(self.executor.run(node, args, kwargs))
-        flat_out = list(flat) if self.tracker is not None else flat
         stats = self.stats
         stats.recomputed_ops += 1
         pending = node.pending
+        allocated = 0
         for i, v in enumerate(flat):
             if isinstance(v, torch.Tensor):
                 nbytes = tensor_nbytes(v)
                 if not v._is_view():  # views allocate nothing
-                    stats.recomputed_bytes += nbytes
+                    allocated += nbytes
                 if pending[i] > 0 and (node.saved is None or node.saved[i] is None):
                     stats.cached_bytes += nbytes
                 else:
                     flat[i] = None
+        stats.recomputed_bytes += allocated
         stats.peak_cached_bytes = max(stats.peak_cached_bytes, stats.cached_bytes)
         node.values = flat
         if self.tracker is not None:
-            nbytes = sum(tensor_nbytes(v) for v in flat_out if isinstance(v, torch.Tensor) and not v._is_view())
             by_module = stats.recomputed_by_module
-            by_module[node.fqn] = by_module.get(node.fqn, 0) + nbytes
+            by_module[node.fqn] = by_module.get(node.fqn, 0) + allocated
 
     def unpack(self, h: Handle) -> Any:
         if self.tracker is not None:

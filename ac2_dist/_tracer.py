@@ -51,7 +51,10 @@ _CP = torch.utils.checkpoint.CheckpointPolicy
 _Tensor = torch.Tensor
 _NONE = SideEffect.NONE
 _COMMUNICATING = (SideEffect.COLLECTIVE, SideEffect.FSDP, SideEffect.REGISTERED)
-_PLAIN_RESULTS = (int, float, bool, complex, torch.SymInt, torch.SymFloat, torch.SymBool, torch.dtype, torch.device)
+# What an op may return without being opaque (anything else, e.g. a Work handle, is).
+_KNOWN_RESULTS = (
+    _Tensor, int, float, bool, complex, torch.SymInt, torch.SymFloat, torch.SymBool, torch.dtype, torch.device,
+)
 
 
 def _rng_device(args: tuple, kwargs: dict) -> torch.device:
@@ -169,7 +172,7 @@ class Tracer(TorchDispatchMode):
             elif random and rng is None:
                 side = SideEffect.RNG
             elif not single and any(
-                o is not None and not isinstance(o, (_Tensor, *_PLAIN_RESULTS)) for o in flat
+                o is not None and not isinstance(o, _KNOWN_RESULTS) for o in flat
             ):
                 side = SideEffect.OPAQUE
         if side is not _NONE:

@@ -241,18 +241,17 @@ class Tracker:
     def _finish(self, trace: AllocationTrace) -> None:
         r = self._report
         phases = trace.phases
-        for name, phase in phases.items():
-            kind, _, step = name.partition(":")
-            forward = phases.get(f"forward:{step}")
-            base = forward.start_bytes if forward is not None else 0  # live when the step began
-            if self._cuda:
-                continue
-            if kind == "forward":
-                r.peak_bytes_forward = max(r.peak_bytes_forward, phase.peak_bytes - base)
-                r.live_bytes_after_forward = max(r.live_bytes_after_forward, phase.end_bytes - base)
-            elif kind == "backward":
-                r.peak_bytes_backward = max(r.peak_bytes_backward, phase.peak_bytes - base)
-        if self._cuda:
+        if not self._cuda:  # CUDA peaks come from the allocator's statistics (phase hooks)
+            for name, phase in phases.items():
+                kind, _, step = name.partition(":")
+                forward = phases.get(f"forward:{step}")
+                base = forward.start_bytes if forward is not None else 0  # live when the step began
+                if kind == "forward":
+                    r.peak_bytes_forward = max(r.peak_bytes_forward, phase.peak_bytes - base)
+                    r.live_bytes_after_forward = max(r.live_bytes_after_forward, phase.end_bytes - base)
+                elif kind == "backward":
+                    r.peak_bytes_backward = max(r.peak_bytes_backward, phase.peak_bytes - base)
+        else:
             r.peak_bytes_backward = max(r.peak_bytes_backward, torch.cuda.max_memory_allocated() - self._cuda_step_base)
         r.allgathers_backward = sum(
             trace.calls_after(name) - trace.calls_after(f"forward:{int(name.split(':')[1]) + 1}")

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_core import backward_flops  # noqa: E402
 from models import Llama  # noqa: E402
-from train import AC_MODES, apply_checkpointing, batches, corpus  # noqa: E402
+from train import AC_MODES, apply_checkpointing, batches, corpus, init_distributed  # noqa: E402
 
 import ac2_dist as ac  # noqa: E402
 
@@ -150,15 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--png", action="store_true", help="also write bench.png (ac2 modes' reports)")
     args = p.parse_args(argv)
     modes = args.modes.split(",")
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        if use_cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
-        device = torch.device("cuda" if use_cuda else "cpu")
         mesh = init_device_mesh(device.type, (world,))
         data = batches(corpus(), args.batch, args.seq, args.seed, rank)
         mine = {"rank": rank, "device": device.type, "modes": {}}

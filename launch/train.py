@@ -96,17 +96,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> float:
-    args = parse_args(argv)
+def init_distributed() -> torch.device:
+    """torchrun rank setup: nccl and this rank's GPU if there are GPUs, else gloo with
+    the CPU cores split between the ranks of this node."""
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        device = torch.device("cuda")
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
+        return torch.device("cuda")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
+    return torch.device("cpu")
+
+
+def main(argv: list[str] | None = None) -> float:
+    args = parse_args(argv)
+    device = init_distributed()
+    use_cuda = device.type == "cuda"
+    rank, world = dist.get_rank(), dist.get_world_size()
     try:
         torch.manual_seed(args.seed)  # identical initial weights on every rank
         model = Llama(vocab=256, dim=args.dim, layers=args.layers, heads=args.heads, max_seq=args.seq).to(device)
