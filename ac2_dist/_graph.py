@@ -97,12 +97,18 @@ class GraphStats:
     recomputed_by_module: dict[str, int] = field(default_factory=dict)  # only while tracked
 
 
+def version_of(t: torch.Tensor) -> int | None:
+    """``t._version``, or ``None`` for an inference tensor (it has no version counter
+    and cannot be modified outside ``torch.inference_mode``: nothing to check)."""
+    return None if t.is_inference() else t._version
+
+
 class Saved:
     """A value kept from forward: a version-checked reference, offloaded, or packed."""
 
     __slots__ = (
-        "value", "version", "hooks", "device", "allow_mutation", "reason", "nbytes", "owner",
-        "detached",
+        "value", "version", "counter", "hooks", "meta", "device", "allow_mutation", "reason", "nbytes",
+        "owner", "detached",
     )
 
     def __init__(
@@ -115,14 +121,19 @@ class Saved:
         keep_identity: bool,
         owner: str,
         version: int | None = None,
+        counter: torch.Tensor | None = None,
     ) -> None:
         self.reason = reason
         self.allow_mutation = allow_mutation
         self.owner = owner
         self.nbytes = tensor_nbytes(t)
         self.hooks: SAVE_WITH_HOOKS | None = None
+        self.meta: tuple | None = None
         self.device: torch.device | None = None
         self.version: int | None = None
+        # The tensor whose version counter guards the value (Note [Versions of view
+        # outputs] in _tracer.py: a view's own counter is replaced after the tracer).
+        self.counter: torch.Tensor | None = counter
         # The stored value has no autograd history although the original may have had
         # one: it cannot serve a create_graph=True backward.
         self.detached = (not keep_identity or isinstance(decision, SAVE_WITH_HOOKS)) and (
@@ -130,6 +141,7 @@ class Saved:
         )
         if isinstance(decision, SAVE_WITH_HOOKS):
             self.hooks = decision
+            self.meta = (t.shape, t.dtype, t.device)
             self.value = decision.pack(t if keep_identity else alias(t))
             self.reason = "offloaded"
             return
@@ -140,7 +152,7 @@ class Saved:
                 self.value = alias(t).to("cpu", non_blocking=True)
                 return
         self.value = t if keep_identity else alias(t)
-        self.version = t._version if version is None else version
+        self.version = version_of(counter if counter is not None else t) if version is None else version
 
     def snapshot(self) -> None:
         """Keep a private copy: the referenced tensor is about to be written in place
@@ -149,21 +161,41 @@ class Saved:
             with torch.no_grad():
                 self.value = alias(self.value).clone()
             self.version = None
+            self.counter = None
 
     def get(self) -> torch.Tensor:
         if self.hooks is not None:
-            return self.hooks.unpack(self.value)
+            return self._unpacked()
         if self.device is not None:
             return self.value.to(self.device, non_blocking=True)
-        if self.version is not None and not self.allow_mutation and self.value._version != self.version:
-            raise RuntimeError(
-                f"ac2_dist: a tensor saved for recompute ({self.owner}) was modified in place "
-                f"after it was saved (version {self.version} -> {self.value._version}); the "
-                "value backward needs is gone. Avoid the in-place op (or clone before it), or "
-                "pass allow_cache_entry_mutation=True to the region if using the mutated "
-                "value is intended."
-            )
+        if self.version is not None and not self.allow_mutation:
+            now = (self.counter if self.counter is not None else self.value)._version
+            if now != self.version:
+                raise RuntimeError(
+                    f"ac2_dist: a tensor saved for recompute ({self.owner}) was modified in place "
+                    f"after it was saved (version {self.version} -> {now}); the "
+                    "value backward needs is gone. Avoid the in-place op (or clone before it), or "
+                    "pass allow_cache_entry_mutation=True to the region if using the mutated "
+                    "value is intended."
+                )
         return self.value
+
+    def _unpacked(self) -> torch.Tensor:
+        unpack = self.hooks.unpack
+        t = unpack(self.value)
+        shape, dtype, device = self.meta
+        if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != device:
+            got = (
+                f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}" if isinstance(t, torch.Tensor)
+                else f"a {type(t).__name__}"
+            )
+            name = getattr(unpack, "__qualname__", None) or repr(unpack)
+            raise RuntimeError(
+                f"ac2_dist: the SAVE_WITH_HOOKS unpack hook {name} returned {got} for the saved "
+                f"{self.owner}, which was packed with shape {tuple(shape)}, dtype {dtype}, device "
+                f"{device}. unpack must restore a tensor like the one pack received."
+            )
+        return t
 
 
 class Node:
@@ -289,24 +321,34 @@ class TensorMap:
 
 
 def _wrapped_fqn(module: Any, default: str) -> str:
-    wrapped = getattr(module, "__dict__", {}).get("_ac2_wrap")
-    return wrapped[1].module_fqn if wrapped is not None else default
+    wrapped = getattr(module, "__dict__", {}).get("_ac2_wrap")  # _modules._CheckpointedForward
+    return wrapped.frame.module_fqn if wrapped is not None else default
 
 
 class Handle:
     """What autograd keeps instead of a saved tensor: a pointer to a node output."""
 
-    __slots__ = ("graph", "node", "idx", "consumed_task", "prefetched", "ready", "__weakref__")
+    __slots__ = ("graph", "node", "idx", "seq", "consumed_task", "prefetched", "ready", "__weakref__")
 
-    def __init__(self, graph: Graph, node: Node, idx: int) -> None:
+    def __init__(self, graph: Graph, node: Node, idx: int, seq: int) -> None:
         self.graph = graph
         self.node = node
         self.idx = idx
+        self.seq = seq  # pack order: the same on every rank (Note [Deterministic prefetch order])
         # The autograd GraphTask (one backward call) that consumed this handle's pending
         # use, if any (Note [Epochs: retain_graph=True]).
         self.consumed_task: int | None = None
         self.prefetched: Any = None  # value realized ahead of its unpack (Note [Prefetching ...])
         self.ready: Any = None  # the event that value is ready on (side-stream executor)
+
+
+def _handle_seq(h: Handle) -> int:
+    return h.seq
+
+
+def unpack_handle(handle: Handle) -> Any:
+    """The saved-tensor unpack hook of every region (the pack hook is ``Graph.pack``)."""
+    return handle.graph.unpack(handle)
 
 
 class Graph:
@@ -319,13 +361,14 @@ class Graph:
         self.lock = threading.RLock()
         self.epoch = 0
         self.handles: weakref.WeakSet[Handle] = weakref.WeakSet()
+        self.packed = 0  # handles created so far (their seq)
         self.stats = GraphStats()
         self.executor = executor
         self.create_graph = False  # set by the executor around each realize
         self.frames = frames  # the policy frames of the thread that records (forward)
         self.tracker: Any = None  # an active ac2_dist.memory.Tracker, if any
         # Set by module wrappers that prefetch (Note [Prefetching the next unit's replay]):
-        self.prev: weakref.ref | None = None  # the graph of the unit that ran before
+        self.prev: list[weakref.ref] = []  # graphs of the units that produced this one's inputs
         self.fqn = ""
         self.log: Any = None
         self._parked: dict[int, int] = {}  # id(prefetched value) -> handles holding it
@@ -348,7 +391,7 @@ class Graph:
         """A saved node holding ``t`` (a region input or a new version; ``version``:
         the version ``t`` will have once the op writing it returns)."""
         node = self.new_node(None, 1, self.frames[-1].module_fqn if self.frames else "")
-        version = t._version if version is None else version
+        version = version_of(t) if version is None else version
         saved = Saved(
             t, decision, reason=reason, allow_mutation=allow_mutation, keep_identity=True, owner=owner,
             version=version,
@@ -361,14 +404,14 @@ class Graph:
     def ref(self, t: torch.Tensor, allow_mutation: bool) -> tuple[Node, int]:
         """The node output that ``t`` currently is (a new leaf if it is unknown or stale)."""
         e = self.map.get(t)
-        if e is not None and e[3] == t._version:
+        if e is not None and (e[3] is None or e[3] == t._version):
             return e[1], e[2]
         return self.leaf(t, _CP.MUST_SAVE, "boundary", allow_mutation), 0
 
     def tag(self, t: torch.Tensor, decision: Decision, allow_mutation: bool) -> None:
         """Save ``t`` (``tag_with_policy``): its node output stops being recomputed."""
         e = self.map.get(t)
-        if e is None or e[3] != t._version:
+        if e is None or (e[3] is not None and e[3] != t._version):
             self.leaf(t, decision, "tagged", allow_mutation, owner="tagged tensor")
             return
         _, node, idx, _ = e
@@ -377,7 +420,7 @@ class Graph:
     def boundary(self, t: torch.Tensor) -> None:
         """Save ``t`` as a region boundary (Note [FSDP units are region boundaries])."""
         e = self.map.get(t)
-        if e is None or e[3] != t._version:
+        if e is None or (e[3] is not None and e[3] != t._version):
             return  # unknown here: a region input, already a saved leaf
         _, node, idx, _ = e
         if node.must_recompute or (node.saved is not None and node.saved[idx] is not None):
@@ -434,8 +477,9 @@ class Graph:
         # can become a leaf here first, under the innermost region's mutation setting.
         frames = self.frames
         node, idx = self.ref(t, frames[-1].allow_mutation if frames else False)
-        h = Handle(self, node, idx)
         with self.lock:
+            self.packed += 1
+            h = Handle(self, node, idx, self.packed)
             self.arm(node, idx)
         self.handles.add(h)
         return h
@@ -561,6 +605,17 @@ class Graph:
             h.consumed_task = task
             return v
 
+    def live_handles(self) -> list[Handle]:
+        """Live handles in pack order.
+
+        Note [Deterministic prefetch order]
+            ``handles`` is a WeakSet: its iteration order follows memory addresses and
+            differs between ranks. Realizing handles may unshard FSDP units (a
+            collective), so every walk that can replay goes in pack order, which is
+            the program's order and the same on every rank.
+        """
+        return sorted(self.handles, key=_handle_seq)
+
     def prefetch(self) -> int:
         """Realize every handle not yet consumed in this backward and park the value
         on it (Note [Prefetching the next unit's replay]). Returns how many."""
@@ -569,7 +624,7 @@ class Graph:
             self.tracker._on_unpack()  # a prefetch is backward work
         done = 0
         with self.lock:
-            for h in list(self.handles):
+            for h in self.live_handles():
                 if h.prefetched is not None or (h.consumed_task is not None and h.consumed_task == task):
                     continue
                 if h.consumed_task is not None:
@@ -605,7 +660,7 @@ class Graph:
         gets its pending use back (parked prefetched values are still valid: kept)."""
         self.epoch += 1
         self.stats.backward_epochs += 1
-        for h in list(self.handles):
+        for h in self.live_handles():
             if h.consumed_task is not None and h.consumed_task != task and h.prefetched is None:
                 h.consumed_task = None
                 self.arm(h.node, h.idx)

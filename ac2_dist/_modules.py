@@ -1,17 +1,35 @@
 """Module API: checkpoint modules in place (CONTRACT §6).
 
 ``wrap`` replaces a module's ``forward`` (an instance attribute, so the module tree,
-its FQNs and state-dict keys do not change) with one that runs the original forward
-inside a region. FSDP2's hooks live around ``forward`` (in ``__call__``), so a wrapped
-module composes with ``fully_shard`` applied before or after: FSDP's all-gather runs
-outside the region and its unsharded parameters are region inputs; FSDP units called
-*inside* the region (nested units) are handled by the boundary hook (Note [FSDP units
-are region boundaries] in fsdp.py).
+its FQNs and state-dict keys do not change) with a :class:`_CheckpointedForward` that
+runs the original forward inside a region. FSDP2's hooks live around ``forward`` (in
+``__call__``), so a wrapped module composes with ``fully_shard`` applied before or
+after: FSDP's all-gather runs outside the region and its unsharded parameters are
+region inputs; FSDP units called *inside* the region (nested units) are handled by
+the boundary hook (Note [FSDP units are region boundaries] in fsdp.py).
+
+Note [The wrapper holds its module weakly]
+    ``module.forward`` is an instance attribute, so a strong reference from it to the
+    module would be a cycle (module -> __dict__ -> forward -> module): a model would
+    only be freed when gc runs. The wrapper keeps a weak reference; ``deepcopy``
+    re-points the copy's wrapper at the copied module (through the deepcopy memo) and
+    pickling stores the module by reference, so ``copy.deepcopy(model)`` and
+    ``torch.save(model)`` keep working.
+
+Note [Prefetch follows data flow]
+    Backward reaches checkpointed modules in reverse data-flow order. Each wrapped
+    forward tags its outputs' autograd nodes (``grad_fn.metadata``) with its graph,
+    and links its own graph to the graphs whose tagged outputs its inputs came from
+    (a bounded walk up the autograd graph from the inputs). So the unit prefetched
+    when a unit's backward starts is the one that produced its inputs in *this*
+    forward, never a unit of an older forward still alive (a kept eval output, a
+    retained loss), and the order is the program's, the same on every rank.
 """
 
 from __future__ import annotations
 
-import functools
+import copy
+import pickle
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -21,14 +39,176 @@ import torch.nn as nn
 
 from ._policy import PolicyLike, _Frame
 from ._region import _thread_state, apply_ac_policy
+from .compile import CompiledPolicy, checkpoint_compiled, is_compiling
 from .fsdp import is_fsdp_unit, unsharded_params
-from .replay import DEFAULT_CONFIG, ReplayConfig, trace_range
+from .replay import ReplayConfig, check_replay, trace_range
 
 __all__ = ["apply_ac", "wrap", "unwrap"]
 
-_ATTR = "_ac2_wrap"  # (forward before wrapping or None, policy frame, ReplayConfig)
+_ATTR = "_ac2_wrap"  # the module's _CheckpointedForward (also its ``forward``)
+_UNIT_KEY = "ac2_dist.unit"  # grad_fn.metadata key: weakref to the producing unit's graph
+_MAX_WALK = 512  # autograd nodes visited to find a unit's producers (Note [Prefetch follows data flow])
 
 ModuleSelector = type | tuple | list | Callable[[str, nn.Module], bool] | None
+
+
+class _CheckpointedForward:
+    """``module.forward`` of a checkpointed module (Note [The wrapper holds its module weakly])."""
+
+    __slots__ = ("_module", "previous", "frame", "config", "compiled", "__weakref__")
+
+    def __init__(self, module: nn.Module, previous: Any, frame: _Frame, config: ReplayConfig) -> None:
+        self._module = weakref.ref(module)
+        self.previous = previous  # an instance-level forward from before wrapping, or None
+        self.frame = frame
+        self.config = config
+        self.compiled = CompiledPolicy([frame])  # the policy inside torch.compile (compile.py)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module()
+        if module is None:
+            raise RuntimeError("ac2_dist: the checkpointed module this forward belongs to was freed")
+        previous = self.previous
+        if is_compiling():  # traced by dynamo: one checkpointed region of the compiled graph
+            if previous is not None:
+                return checkpoint_compiled(previous, self.compiled, *args, **kwargs)
+            return checkpoint_compiled(type(module).forward, self.compiled, module, *args, **kwargs)
+        if not _needs_region(module, args, kwargs):  # Note [No grad, no region] (_region.py)
+            if previous is not None:
+                return previous(*args, **kwargs)
+            return type(module).forward(module, *args, **kwargs)
+        region = apply_ac_policy._from_frame(self.frame, self.config)
+        with region:
+            if previous is not None:
+                out = previous(*args, **kwargs)
+            else:
+                out = type(module).forward(module, *args, **kwargs)
+            if is_fsdp_unit(module):  # our region runs inside FSDP's pre/post-forward
+                _thread_state().graph.mark_fsdp_params(unsharded_params(module), module)
+        if region.graph is not None:
+            _link_for_prefetch(region.graph, self.config, self.frame.module_fqn, args, kwargs, out)
+        return out
+
+    def __deepcopy__(self, memo: dict) -> _CheckpointedForward:
+        module = self._module()
+        copied = memo.get(id(module), module)  # the module being copied, if it is
+        return _CheckpointedForward(
+            copied, copy.deepcopy(self.previous, memo), copy.deepcopy(self.frame, memo), self.config
+        )
+
+    def __reduce__(self) -> tuple:
+        module = self._module()
+        for what, obj in (("policy", self.frame.fn), ("replay config", self.config)):
+            if obj is None:
+                continue
+            try:
+                pickle.dumps(obj)
+            except Exception as e:
+                fqn = self.frame.module_fqn or type(module).__name__
+                raise pickle.PicklingError(
+                    f"ac2_dist: the {what} of the checkpointed module '{fqn}' ({obj!r}) cannot be "
+                    f"pickled ({e}). Use a module-level function or a built-in policy form "
+                    "(string, op list, dict), or call ac2_dist.unwrap on the module before saving."
+                ) from e
+        return (_CheckpointedForward, (module, self.previous, self.frame, self.config))
+
+    def __repr__(self) -> str:
+        module = self._module()
+        name = type(module).__name__ if module is not None else "<freed>"
+        return f"<ac2_dist checkpointed forward of {name}, policy {self.frame.name}>"
+
+
+def _needs_region(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Grad mode on and some input or parameter requires grad (Note [No grad, no region])."""
+    if not torch.is_grad_enabled():
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.requires_grad:
+                return True
+        elif isinstance(a, (list, tuple, dict)) and _any_requires_grad(a):
+            return True
+    for a in kwargs.values():
+        if isinstance(a, torch.Tensor):
+            if a.requires_grad:
+                return True
+        elif isinstance(a, (list, tuple, dict)) and _any_requires_grad(a):
+            return True
+    return any(p.requires_grad for p in module.parameters())
+
+
+def _any_requires_grad(tree: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in torch.utils._pytree.tree_leaves(tree))
+
+
+def _producers(inputs: list[torch.Tensor]) -> list[weakref.ref]:
+    """Graphs of the checkpointed units whose outputs ``inputs`` were computed from,
+    in a deterministic (breadth-first, argument) order (Note [Prefetch follows data flow])."""
+    found: list[weakref.ref] = []
+    seen_graphs: set[int] = set()
+    visited: set[int] = set()
+    frontier = [t.grad_fn for t in inputs if t.grad_fn is not None]
+    while frontier and len(visited) < _MAX_WALK:
+        nxt = []
+        for fn in frontier:
+            if id(fn) in visited:
+                continue
+            visited.add(id(fn))
+            ref = fn.metadata.get(_UNIT_KEY)
+            if ref is not None:
+                graph = ref()
+                if graph is not None and id(graph) not in seen_graphs:
+                    seen_graphs.add(id(graph))
+                    found.append(ref)
+                continue  # do not look past a unit
+            nxt.extend(f for f, _ in fn.next_functions if f is not None)
+        frontier = nxt
+    return found
+
+
+def _link_for_prefetch(graph: Any, config: ReplayConfig, fqn: str, args: Any, kwargs: Any, out: Any) -> None:
+    """Note [Prefetching the next unit's replay] (replay.py), linked by data flow (Note
+    [Prefetch follows data flow]): prefetch this unit's producers when its backward starts."""
+    on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    depth = config.prefetch_depth(on_cuda)
+    log = config.log
+    if depth == 0 and log is None:
+        return
+    leaves = torch.utils._pytree.tree_leaves
+    inputs = [t for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    outputs = [t for t in leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    graph.prev, graph.fqn, graph.log = _producers(inputs), fqn, log
+    this = weakref.ref(graph)
+    for t in outputs:
+        if t.grad_fn is not None:
+            t.grad_fn.metadata[_UNIT_KEY] = this
+
+    def backward_starts(_grads: Any) -> None:
+        if log is not None:
+            log("backward_start", fqn)
+        g = this()
+        level = list(g.prev) if g is not None else []
+        done: set[int] = set()
+        for _ in range(depth):
+            nxt: list[weakref.ref] = []
+            for ref in level:
+                unit = ref()
+                if unit is None or id(unit) in done:
+                    continue
+                done.add(id(unit))
+                if log is not None:
+                    log("prefetch_start", unit.fqn)
+                with trace_range("ac2::prefetch"):
+                    unit.prefetch()
+                if log is not None:
+                    log("prefetch_end", unit.fqn)
+                nxt.extend(unit.prev)
+            level = nxt
+
+    if outputs:
+        torch.autograd.graph.register_multi_grad_hook(outputs, backward_starts, mode="any")
+    if log is not None and inputs:
+        torch.autograd.graph.register_multi_grad_hook(inputs, lambda _g: log("backward_end", fqn), mode="any")
 
 
 def wrap(
@@ -44,85 +224,34 @@ def wrap(
 
     In place; returns ``module``. Wrapping an already wrapped module replaces its
     policy. ``module_fqn`` is what policies see as ``ctx.module_fqn``; ``replay`` a
-    :class:`ReplayConfig` (side stream, prefetch depth).
+    :class:`ReplayConfig` (side stream, prefetch depth). Under ``torch.no_grad()`` /
+    ``torch.inference_mode()``, or when no input and no parameter requires grad, the
+    module runs its plain forward (nothing is recorded).
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"ac2_dist.wrap: module must be a torch.nn.Module, got {type(module).__name__}; "
+            "use ac2_dist.apply_ac_policy_fn(fn, *args) to checkpoint a function"
+        )
     frame = _Frame(policy, rng=rng, allow_mutation=allow_cache_entry_mutation, module_fqn=module_fqn)
-    config = replay or DEFAULT_CONFIG
-    if _ATTR in module.__dict__:  # re-wrap: keep what forward was before the first wrap
-        previous = module.__dict__[_ATTR][0]
+    config = check_replay(replay)
+    wrapped = module.__dict__.get(_ATTR)
+    if wrapped is not None:  # re-wrap: keep what forward was before the first wrap
+        previous = wrapped.previous
     else:
         previous = module.__dict__.get("forward")  # an instance-level forward, if any
-    # A partial over a module-level function (not a closure): copy.deepcopy maps the
-    # module argument to the copy, and torch.save can pickle it.
-    module.forward = functools.partial(_checkpointed_forward, module)
-    module.__dict__[_ATTR] = (previous, frame, config)
+    forward = _CheckpointedForward(module, previous, frame, config)
+    module.__dict__["forward"] = forward
+    module.__dict__[_ATTR] = forward
     return module
-
-
-def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    previous, frame, config = module.__dict__[_ATTR]
-    region = apply_ac_policy._from_frame(frame, config)
-    with region:
-        if previous is not None:
-            out = previous(*args, **kwargs)
-        else:
-            out = type(module).forward(module, *args, **kwargs)
-        if is_fsdp_unit(module):  # our region runs inside FSDP's pre/post-forward
-            _thread_state().graph.mark_fsdp_params(unsharded_params(module), module)
-    if region.graph is not None and torch.is_grad_enabled():
-        _link_for_prefetch(region.graph, config, frame.module_fqn, args, kwargs, out)
-    return out
-
-
-def _link_for_prefetch(graph: Any, config: ReplayConfig, fqn: str, args: Any, kwargs: Any, out: Any) -> None:
-    """Note [Prefetching the next unit's replay] (replay.py): chain this unit's graph
-    to the previous one and prefetch that one when this unit's backward starts."""
-    on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    depth = config.prefetch_depth(on_cuda)
-    log = config.log
-    if depth == 0 and log is None:
-        return
-    st = _thread_state()
-    graph.prev, graph.fqn, graph.log = st.last_graph, fqn, log
-    this = weakref.ref(graph)
-    st.last_graph = this
-
-    def backward_starts(_grads: Any) -> None:
-        if log is not None:
-            log("backward_start", fqn)
-        g = this()
-        prev = g.prev if g is not None else None
-        for _ in range(depth):
-            unit = prev() if prev is not None else None
-            if unit is None:
-                break
-            if log is not None:
-                log("prefetch_start", unit.fqn)
-            with trace_range("ac2::prefetch"):
-                unit.prefetch()
-            if log is not None:
-                log("prefetch_end", unit.fqn)
-            prev = unit.prev
-
-    outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if outputs:
-        torch.autograd.graph.register_multi_grad_hook(outputs, backward_starts, mode="any")
-    if log is not None:
-        inputs = [
-            t for t in torch.utils._pytree.tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
-        if inputs:
-            torch.autograd.graph.register_multi_grad_hook(inputs, lambda _g: log("backward_end", fqn), mode="any")
 
 
 def unwrap(module: nn.Module) -> nn.Module:
     """Undo :func:`wrap` (no-op for a module that is not wrapped)."""
     wrapped = module.__dict__.pop(_ATTR, None)
     if wrapped is not None:
-        previous = wrapped[0]
-        if previous is not None:
-            module.__dict__["forward"] = previous
+        if wrapped.previous is not None:
+            module.__dict__["forward"] = wrapped.previous
         else:
             module.__dict__.pop("forward", None)
     return module
@@ -132,10 +261,18 @@ def _select(model: nn.Module, modules: ModuleSelector) -> list[tuple[str, nn.Mod
     if modules is None:
         return [("", model)]
     if isinstance(modules, type) or (
-        isinstance(modules, (tuple, list)) and all(isinstance(m, type) for m in modules)
+        isinstance(modules, (tuple, list)) and modules and all(isinstance(m, type) for m in modules)
     ):
         types = tuple(modules) if isinstance(modules, (tuple, list)) else (modules,)
         return [(n, m) for n, m in model.named_modules() if isinstance(m, types)]
+    if isinstance(modules, nn.Module) or (
+        isinstance(modules, (tuple, list)) and any(isinstance(m, nn.Module) for m in modules)
+    ):
+        raise TypeError(
+            "ac2_dist.apply_ac: modules takes module *types* (e.g. modules=[nn.Linear]) or a "
+            f"predicate (fqn, module) -> bool, not a module instance ({modules!r}); to "
+            "checkpoint one module use ac2_dist.wrap(module)"
+        )
     if callable(modules):
         return [(n, m) for n, m in model.named_modules() if modules(n, m)]
     raise TypeError(
@@ -164,13 +301,20 @@ def apply_ac(
         replay: a :class:`ReplayConfig`: where replays run and how many modules
             ahead backward prefetches them.
 
-    Raises ValueError if nothing matches (a typo in ``modules`` should not silently
-    checkpoint nothing).
+    Raises TypeError for arguments of the wrong kind and ValueError if nothing
+    matches (a typo in ``modules`` should not silently checkpoint nothing).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"ac2_dist.apply_ac: model must be a torch.nn.Module, got {type(model).__name__}; "
+            "use ac2_dist.apply_ac_policy_fn(fn, *args) to checkpoint a function"
+        )
+    _Frame(policy, rng=rng, allow_mutation=allow_cache_entry_mutation, module_fqn="")  # validate first
+    config = check_replay(replay)
     selected = _select(model, modules)
     if not selected:
         raise ValueError(f"ac2_dist.apply_ac: no submodule of {type(model).__name__} matches {modules!r}")
     for fqn, module in selected:
         wrap(module, policy, rng=rng, allow_cache_entry_mutation=allow_cache_entry_mutation,
-             module_fqn=fqn, replay=replay)
+             module_fqn=fqn, replay=config)
     return model

@@ -8,7 +8,7 @@ then asks :func:`resolve` for each op and gets back a :data:`Decision`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -66,7 +66,8 @@ class PolicyContext(SelectiveCheckpointContext):
 
 
 PolicyFn = Callable[..., CheckpointPolicy | bool | SAVE_WITH_HOOKS]
-PolicyLike = str | bool | PolicyFn | Iterable[torch._ops.OpOverload]
+OpLike = torch._ops.OpOverload | torch._ops.OpOverloadPacket | torch._ops.HigherOrderOperator
+PolicyLike = str | bool | PolicyFn | Iterable[OpLike] | Mapping[OpLike, CheckpointPolicy]
 Decision = CheckpointPolicy | SAVE_WITH_HOOKS
 
 _STRINGS: dict[str, CheckpointPolicy] = {
@@ -74,10 +75,17 @@ _STRINGS: dict[str, CheckpointPolicy] = {
     "must_save_all": _CP.MUST_SAVE,
 }
 
+ACCEPTED_FORMS = (
+    "'recompute_all', 'must_save_all', a bool, a CheckpointPolicy, an ac2_dist.SAVE_WITH_HOOKS, "
+    "a policy callable (ctx, op, *args, **kwargs), an iterable of ops to save (OpOverload, "
+    "OpOverloadPacket or HigherOrderOperator) or a dict {op: CheckpointPolicy}"
+)
+
 
 # Identity comparisons, not set membership: Enum.__hash__ is a Python call (hot path).
 _MS, _PS, _MR = _CP.MUST_SAVE, _CP.PREFER_SAVE, _CP.MUST_RECOMPUTE
 _MO, _PO = _CP.MUST_CPU_OFFLOAD, _CP.PREFER_CPU_OFFLOAD
+_PR = _CP.PREFER_RECOMPUTE
 
 
 def is_must(d: Decision) -> bool:
@@ -90,27 +98,78 @@ def is_save(d: Decision) -> bool:
     return d is _MS or d is _PS or d is _MO or d is _PO or type(d) is SAVE_WITH_HOOKS
 
 
-def _check_decision(result: Any, frame: _Frame, op: Any) -> Decision:
+def _as_decision(result: Any) -> Decision | None:
     if isinstance(result, bool):
-        return _CP.MUST_SAVE if result else _CP.PREFER_RECOMPUTE
+        return _MS if result else _PR
     if isinstance(result, (CheckpointPolicy, SAVE_WITH_HOOKS)):
         return result
+    return None
+
+
+def _check_decision(result: Any, frame: _Frame, op: Any) -> Decision:
+    d = _as_decision(result)
+    if d is None:
+        raise TypeError(
+            f"ac2_dist: policy {frame.name} returned {result!r} for {op}; a policy must return "
+            "a torch.utils.checkpoint.CheckpointPolicy, a bool or an ac2_dist.SAVE_WITH_HOOKS."
+        )
+    return d
+
+
+_OP_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)
+
+
+def _expand_op(op: Any) -> list[Any]:
+    """An op of a save-list / dict key: a packet (``torch.ops.aten.mm``) stands for
+    all of its overloads."""
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return [getattr(op, name) for name in op.overloads()]
+    if isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+        return [op]
     raise TypeError(
-        f"ac2_dist: policy {frame.name} returned {result!r} for {op}; a policy must return "
-        "a torch.utils.checkpoint.CheckpointPolicy, a bool or an ac2_dist.SAVE_WITH_HOOKS."
+        f"ac2_dist: a save-list or dict policy must name ops (OpOverload, OpOverloadPacket "
+        f"or HigherOrderOperator), got {op!r} ({type(op).__name__})"
     )
+
+
+def op_name(op: Any) -> str:
+    """A stable, picklable name: ``aten::mm.default`` or ``higher_order::flex_attention``."""
+    if isinstance(op, torch._ops.HigherOrderOperator):
+        return f"higher_order::{op.name()}"
+    return f"{op._schema.name}.{op._overloadname}"
+
+
+def op_from_name(name: str) -> Any:
+    """Inverse of :func:`op_name` (Note [Policies pickle by op name])."""
+    ns, _, rest = name.partition("::")
+    if ns == "higher_order":
+        return getattr(torch.ops.higher_order, rest)
+    packet, _, overload = rest.rpartition(".")
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), packet), overload)
+    except (AttributeError, RuntimeError) as e:
+        raise RuntimeError(
+            f"ac2_dist: cannot restore the policy op {name!r}: it is not registered in this process "
+            "(import the library that defines it before loading the model)"
+        ) from e
 
 
 class _Frame:
     """One entered region's policy, normalized.
 
-    Exactly one of ``const`` (the same decision for every op), ``save_set`` (save-list
-    form) or ``fn`` (a user callable) is set, so the tracer can skip the Python call
-    for the built-in forms (hot path).
+    Exactly one of ``const`` (the same decision for every op), ``table`` (save-list
+    and dict forms: op -> decision, unlisted ops PREFER_RECOMPUTE) or ``fn`` (a user
+    callable) is set, so the tracer can skip the Python call for the built-in forms
+    (hot path).
+
+    Note [Policies pickle by op name]
+        A checkpointed module keeps its frame, so ``torch.save(model)`` pickles it.
+        ``OpOverload`` objects are not picklable; a table is stored as op names
+        (:func:`op_name`) and resolved again on load.
     """
 
     __slots__ = (
-        "const", "const_save", "save_set", "fn", "name", "rng", "allow_mutation", "module_fqn",
+        "const", "const_save", "table", "fn", "name", "rng", "allow_mutation", "module_fqn",
     )
 
     def __init__(
@@ -119,54 +178,71 @@ class _Frame:
         if rng not in ("save", "replay"):
             raise ValueError(f"ac2_dist: rng must be 'save' or 'replay', got {rng!r}")
         self.const: Decision | None = None
-        self.save_set: frozenset | None = None
+        self.table: dict[Any, Decision] | None = None
         self.fn: PolicyFn | None = None
         self.rng = rng
-        self.allow_mutation = allow_mutation
+        self.allow_mutation = bool(allow_mutation)
         self.module_fqn = module_fqn
         if isinstance(policy, str):
             if policy not in _STRINGS:
                 raise ValueError(
-                    f"ac2_dist: unknown policy string {policy!r}; use one of {sorted(_STRINGS)}, "
-                    "a policy callable or an iterable of OpOverloads to save"
+                    f"ac2_dist: unknown policy string {policy!r}; accepted policies: {ACCEPTED_FORMS}"
                 )
             self.const = _STRINGS[policy]
             self.name = repr(policy)
-        elif isinstance(policy, bool):  # True: save everything, False: recompute everything
-            self.const = _CP.MUST_SAVE if policy else _CP.PREFER_RECOMPUTE
+        elif isinstance(policy, (bool, CheckpointPolicy, SAVE_WITH_HOOKS)):
+            # True: save everything, False: recompute everything.
+            self.const = _as_decision(policy)
             self.name = repr(policy)
-        elif isinstance(policy, (CheckpointPolicy, SAVE_WITH_HOOKS)):
-            self.const = policy
-            self.name = repr(policy)
+        elif isinstance(policy, Mapping):
+            table: dict[Any, Decision] = {}
+            for op, value in policy.items():
+                d = _as_decision(value)
+                if d is None:
+                    raise TypeError(
+                        f"ac2_dist: a dict policy maps ops to a CheckpointPolicy (or a bool / "
+                        f"SAVE_WITH_HOOKS); {op!r} maps to {value!r}"
+                    )
+                for o in _expand_op(op):
+                    table[o] = d
+            self.table = table
+            self.name = "dict(" + ", ".join(f"{op_name(o)}: {d!r}" for o, d in table.items()) + ")"
+        elif isinstance(policy, _OP_TYPES):
+            raise TypeError(
+                f"ac2_dist: a single op {policy!r} is not a policy; pass a list of ops to save, "
+                f"e.g. [{policy!r}]. Accepted policies: {ACCEPTED_FORMS}"
+            )
         elif callable(policy):
             self.fn = policy
             self.name = getattr(policy, "__qualname__", None) or repr(policy)
-        elif isinstance(policy, Iterable):
-            ops = frozenset(policy)
-            bad = [o for o in ops if not isinstance(o, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))]
-            if bad:
-                raise TypeError(
-                    f"ac2_dist: a save-list policy must contain OpOverloads, got {bad[0]!r}"
-                )
-            # An OpOverloadPacket (torch.ops.aten.mm) saves all of its overloads.
-            expanded = set()
-            for o in ops:
-                if isinstance(o, torch._ops.OpOverloadPacket):
-                    expanded.update(getattr(o, name) for name in o.overloads())
-                else:
-                    expanded.add(o)
-            self.save_set = frozenset(expanded)
-            self.name = f"save-list({', '.join(sorted(str(o) for o in ops))})"
+        elif isinstance(policy, Iterable) and not isinstance(policy, (bytes, torch.Tensor)):
+            ops = list(policy)
+            self.table = {o: _MS for op in ops for o in _expand_op(op)}
+            self.name = f"save-list({', '.join(sorted(op_name(o) for o in self.table))})"
         else:
-            raise TypeError(f"ac2_dist: unsupported policy {policy!r}")
+            raise TypeError(f"ac2_dist: unsupported policy {policy!r}; accepted policies: {ACCEPTED_FORMS}")
         self.const_save = self.const is not None and is_save(self.const)
 
     def decide(self, ctx: PolicyContext, op: Any, args: tuple, kwargs: dict) -> Decision:
         if self.const is not None:
             return self.const
-        if self.save_set is not None:
-            return _CP.MUST_SAVE if op in self.save_set else _CP.PREFER_RECOMPUTE
+        if self.table is not None:
+            return self.table.get(op, _PR)
         return _check_decision(self.fn(ctx, op, *args, **kwargs), self, op)
+
+    def __reduce__(self) -> tuple:
+        table = None if self.table is None else [(op_name(o), d) for o, d in self.table.items()]
+        return (_restore_frame, (self.const, table, self.fn, self.name, self.rng, self.allow_mutation,
+                                 self.module_fqn))
+
+
+def _restore_frame(const, table, fn, name, rng, allow_mutation, module_fqn) -> _Frame:
+    frame = _Frame.__new__(_Frame)
+    frame.const, frame.fn, frame.name = const, fn, name
+    frame.table = None if table is None else {op_from_name(n): d for n, d in table}
+    frame.rng, frame.allow_mutation, frame.module_fqn = rng, allow_mutation, module_fqn
+    frame.const_save = const is not None and is_save(const)
+    return frame
 
 
 def resolve(frames: list[_Frame], ctx: PolicyContext, op: Any, args: tuple, kwargs: dict) -> Decision:

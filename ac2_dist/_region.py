@@ -11,9 +11,19 @@ Note [Per-thread state]
 Note [Outermost region owns the graph]
     Only the outermost region of a thread installs the tracer and the saved-tensor
     hooks and owns a :class:`Graph`; nested regions push a policy frame that is
-    combined with the outer ones per op. On exit the outermost region drops the
-    tensor -> node map, so after forward the graph is reachable only from the
-    handles autograd holds: nothing of a region outlives its autograd graph.
+    combined with the outer ones per op. What it installed lives in the thread state
+    (``_ThreadState.install``), not on the region object, so one object may be active
+    on several threads at once (each thread records its own graph). On exit the
+    outermost region drops the tensor -> node map, so after forward the graph is
+    reachable only from the handles autograd holds: nothing of a region outlives its
+    autograd graph.
+
+Note [No grad, no region]
+    A region entered while grad mode is off (``torch.no_grad()``,
+    ``torch.inference_mode()``) installs nothing and records nothing: no op of it can
+    be differentiated. If grad mode is turned on again inside it, autograd saves
+    what it needs as usual (not checkpointed). Checkpointed modules also skip the
+    region when no input and no parameter requires grad.
 """
 
 from __future__ import annotations
@@ -24,11 +34,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._graph import Graph, GraphStats
+from ._graph import Graph, GraphStats, unpack_handle
 from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, _Frame, is_save
 from ._tracer import Tracer
 from .fsdp import is_fsdp_unit, unsharded_params
-from .replay import DEFAULT_CONFIG, ReplayConfig
+from .replay import ReplayConfig, check_replay
 
 __all__ = [
     "apply_ac_policy",
@@ -41,14 +51,23 @@ T = TypeVar("T")
 _CP = torch.utils.checkpoint.CheckpointPolicy
 
 
+class _Install:
+    """What the outermost region of a thread installed (Note [Outermost region owns the graph])."""
+
+    __slots__ = ("owner", "graph", "tracer", "hooks", "module_hook")
+
+    def __init__(self, owner: apply_ac_policy, graph: Graph, tracer: Tracer, hooks: Any, module_hook: Any) -> None:
+        self.owner, self.graph, self.tracer, self.hooks, self.module_hook = owner, graph, tracer, hooks, module_hook
+
+
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.frames: list[_Frame] = []
         self.owners: list[apply_ac_policy] = []
         self.graph: Graph | None = None
+        self.install: _Install | None = None
         self.replaying = 0
         self.tracker: Any = None  # ac2_dist.memory.Tracker active on this thread
-        self.last_graph: Any = None  # weakref: the last prefetching module's graph (replay.py)
 
 
 _STATE = _ThreadState()
@@ -105,55 +124,57 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
         self._frame = _Frame(
             policy, rng=rng, allow_mutation=allow_cache_entry_mutation, module_fqn=module_fqn
         )
-        self._replay = replay or DEFAULT_CONFIG
-        self._installed: tuple[Any, ...] | None = None
+        self._replay = check_replay(replay)
         self.stats: GraphStats | None = None
-        self.graph: Graph | None = None  # the graph this region owns (outermost only)
+        self.graph: Graph | None = None  # the graph of the last outermost use that recorded
 
     @classmethod
-    def _from_frame(cls, frame: _Frame, replay: ReplayConfig | None = None) -> apply_ac_policy:
+    def _from_frame(cls, frame: _Frame, replay: ReplayConfig) -> apply_ac_policy:
         """A region for an already validated policy frame (module wrappers: no re-parse)."""
         self = cls.__new__(cls)
         self._frame = frame
-        self._replay = replay or DEFAULT_CONFIG
-        self._installed = None
+        self._replay = replay
         self.stats = None
         self.graph = None
         return self
 
     def __enter__(self) -> apply_ac_policy:
         st = _thread_state()
-        if st.graph is None:
-            on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-            graph = Graph(self._replay.executor(_thread_state, on_cuda), st.frames)
-            self.graph = graph
-            if st.tracker is not None:
-                graph.tracker = st.tracker
-                st.tracker._add_graph(graph)
-            ctx = PolicyContext(self._frame.module_fqn, _rank())
-            tracer = Tracer(graph, st, ctx)
-            hooks = torch.autograd.graph.saved_tensors_hooks(graph.pack, _unpack)
-            hooks.__enter__()
-            try:
-                module_hook = torch.nn.modules.module.register_module_forward_hook(_unit_boundary)
-                try:
-                    tracer.__enter__()
-                except BaseException:
-                    module_hook.remove()
-                    raise
-            except BaseException:
-                hooks.__exit__(None, None, None)
-                raise
-            st.graph = graph
-            self._installed = (graph, tracer, hooks, module_hook)
-            self.stats = graph.stats
-        elif self._installed is not None:
-            raise RuntimeError("ac2_dist: this apply_ac_policy object is already active")
-        else:
-            self.graph = None
+        if any(o is self for o in st.owners):
+            raise RuntimeError(
+                "ac2_dist: this apply_ac_policy object is already active on this thread; "
+                "nest a new apply_ac_policy(...) instead of re-entering the same one"
+            )
+        if st.graph is None and torch.is_grad_enabled():  # Note [No grad, no region]
+            st.install = self._install(st)
+            st.graph = st.install.graph
         st.frames.append(self._frame)
         st.owners.append(self)
         return self
+
+    def _install(self, st: _ThreadState) -> _Install:
+        on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        graph = Graph(self._replay.executor(_thread_state, on_cuda), st.frames)
+        if st.tracker is not None:
+            graph.tracker = st.tracker
+            st.tracker._add_graph(graph)
+        ctx = PolicyContext(self._frame.module_fqn, _rank())
+        tracer = Tracer(graph, st, ctx)
+        hooks = torch.autograd.graph.saved_tensors_hooks(graph.pack, unpack_handle)
+        hooks.__enter__()
+        try:
+            module_hook = torch.nn.modules.module.register_module_forward_hook(_unit_boundary)
+            try:
+                tracer.__enter__()
+            except BaseException:
+                module_hook.remove()
+                raise
+        except BaseException:
+            hooks.__exit__(None, None, None)
+            raise
+        self.graph = graph
+        self.stats = graph.stats
+        return _Install(self, graph, tracer, hooks, module_hook)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         st = _thread_state()
@@ -163,20 +184,16 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
             )
         st.owners.pop()
         st.frames.pop()
-        if self._installed is not None:
-            graph, tracer, hooks, module_hook = self._installed
-            self._installed = None
+        install = st.install
+        if install is not None and install.owner is self:
+            st.install = None
             st.graph = None
-            graph.map = None
+            install.graph.map = None
             try:
-                tracer.__exit__(exc_type, exc, tb)
+                install.tracer.__exit__(exc_type, exc, tb)
             finally:
-                module_hook.remove()
-                hooks.__exit__(exc_type, exc, tb)
-
-
-def _unpack(handle: Any) -> Any:
-    return handle.graph.unpack(handle)
+                install.module_hook.remove()
+                install.hooks.__exit__(exc_type, exc, tb)
 
 
 def _unit_boundary(module: torch.nn.Module, args: Any, output: Any) -> None:

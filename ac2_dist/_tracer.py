@@ -28,6 +28,20 @@ Note [Versions of written tensors]
     input or a saved output) and that a recomputable op already read, that value is
     snapshotted (cloned): the replay needs the value before the write (e.g. autograd's
     own ``self.clone()`` saved for ``mul_``'s backward).
+
+Note [Versions of view outputs]
+    For the same reason a view op's output reaches the tracer with a fresh version
+    counter: ADInplaceOrView makes it a view (sharing its base's counter) only after
+    the op returns. So the version recorded for a view output is its source
+    argument's, and a saved view output is guarded by (an alias of) its source, whose
+    counter is the one the view will share. Without this every ``weight.t()`` after an
+    optimizer step looked stale and became a region input, and a mutation of a saved
+    view's base went unnoticed.
+
+Note [What inference mode records]
+    Ops run under ``torch.inference_mode()`` inside a region are not recorded:
+    nothing computed there can be differentiated. Their outputs (inference tensors,
+    which have no version counter) become region inputs if a later op reads them.
 """
 
 from __future__ import annotations
@@ -37,10 +51,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._graph import Graph, Node, Saved, flatten_outputs
+from ._graph import Graph, Node, Saved, alias, flatten_outputs, version_of
 from ._policy import PolicyContext, is_save, resolve
 from .replay import default_generator
-from .side_effects import _INFO, SideEffect, op_info
+from .side_effects import _INFO, SideEffect, hop_writes, op_info
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -49,6 +63,7 @@ except ImportError:  # torch built without distributed
 
 _CP = torch.utils.checkpoint.CheckpointPolicy
 _Tensor = torch.Tensor
+_inference_mode = torch.is_inference_mode_enabled
 _NONE = SideEffect.NONE
 _COMMUNICATING = (SideEffect.COLLECTIVE, SideEffect.FSDP, SideEffect.REGISTERED)
 # What an op may return without being opaque (anything else, e.g. a Work handle, is).
@@ -103,6 +118,9 @@ class _CollectiveProbe(TorchDispatchMode):
 class Tracer(TorchDispatchMode):
     """Records the ops of one outermost region into a :class:`Graph`."""
 
+    # Higher-order operators reach __torch_dispatch__ (Note [Higher-order operators]).
+    supports_higher_order_operators = True
+
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # TorchDispatchMode wraps a subclass's __torch_dispatch__ in a dynamo-disable
@@ -121,9 +139,11 @@ class Tracer(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         state = self.state
-        if state.replaying:
+        if state.replaying or _inference_mode():  # Note [What inference mode records]
             return func(*args, **kwargs)
         info = _INFO.get(func) or op_info(func)
+        if info.higher_order:
+            return self._higher_order(func, args, kwargs)
         frames = state.frames
         inner = frames[-1]
 
@@ -193,6 +213,10 @@ class Tracer(TorchDispatchMode):
         graph = self.graph
         gmap = graph.map
         bump = 1 if writes and info.declared_writes else 0
+        src = None
+        if info.view_src is not None:  # Note [Versions of view outputs]
+            src = args[info.view_src]
+            view_version = version_of(src)
         if not save:
             node = self._recomputable(graph, func, info, args, kwargs, len(flat), inner)
             node.rng = rng
@@ -201,18 +225,26 @@ class Tracer(TorchDispatchMode):
             node = graph.new_node(func, len(flat), inner.module_fqn)
             graph.stats.saved_nodes += 1
             keep_base = not info.returns_alias
+            counter = alias(src) if src is not None and view_version is not None else None
             for i, o in enumerate(flat):
                 if isinstance(o, _Tensor):
                     keep = keep_base and not (o.is_floating_point() or o.is_complex())
-                    version = o._version + bump if bump and id(o) in written else None
+                    if src is not None:
+                        version = view_version
+                    else:
+                        version = o._version + bump if bump and id(o) in written else None
                     node.set_saved(
                         i,
                         Saved(o, decision, reason=reason, allow_mutation=inner.allow_mutation,
-                              keep_identity=keep, owner=f"output of {func}", version=version),
+                              keep_identity=keep, owner=f"output of {func}", version=version,
+                              counter=counter),
                     )
         for i, o in enumerate(flat):
             if isinstance(o, _Tensor):
-                gmap.set(o, node, i, o._version + bump if bump and id(o) in written else o._version)
+                if src is not None:
+                    gmap.set(o, node, i, view_version)
+                else:
+                    gmap.set(o, node, i, o._version + bump if bump and id(o) in written else o._version)
 
         if writes:
             returned = {id(o) for o in flat if isinstance(o, _Tensor)}
@@ -220,6 +252,46 @@ class Tracer(TorchDispatchMode):
             for t in written.values():
                 if id(t) not in returned:
                     graph.leaf(t, _CP.MUST_SAVE, "side_effect", inner.allow_mutation, owner, t._version + bump)
+        return out
+
+    def _higher_order(self, func, args, kwargs):
+        """A HigherOrderOperator call: a saved node, never replayed (Note
+        [Higher-order operators] in side_effects.py)."""
+        leaves = torch.utils._pytree.tree_leaves
+        frames = self.state.frames
+        inner = frames[-1]
+        writes = hop_writes(func, args, kwargs)
+        inputs = [t for t in leaves((args, kwargs)) if isinstance(t, _Tensor)] if writes else ()
+        if writes:
+            self._snapshot_read(inputs)
+        out = func(*args, **kwargs)
+        ctx = self.ctx
+        ctx.op_output, ctx.module_fqn = out, inner.module_fqn
+        try:
+            decision = resolve(frames, ctx, func, args, kwargs)
+        finally:
+            ctx.op_output = None
+        if decision is _CP.MUST_RECOMPUTE:
+            raise RuntimeError(
+                f"ac2_dist: the policy returned MUST_RECOMPUTE for the higher-order operator {func}, "
+                "which ac2_dist records as one saved call and never replays. Return a save or "
+                "PREFER_* policy for it."
+            )
+        if not is_save(decision):
+            decision = _CP.MUST_SAVE
+        graph = self.graph
+        flat = leaves(out)
+        node = graph.new_node(func, len(flat), inner.module_fqn)
+        graph.stats.saved_nodes += 1
+        for i, o in enumerate(flat):
+            if isinstance(o, _Tensor):
+                node.set_saved(i, Saved(o, decision, reason="policy", allow_mutation=inner.allow_mutation,
+                                        keep_identity=False, owner=f"output of {func}"))
+                graph.map.set(o, node, i, version_of(o))
+        returned = {id(o) for o in flat}
+        for t in inputs:
+            if id(t) not in returned:
+                graph.leaf(t, _CP.MUST_SAVE, "side_effect", inner.allow_mutation, f"tensor written by {func}")
         return out
 
     def _before_writes(self, info, args, kwargs) -> dict[int, torch.Tensor]:
@@ -234,14 +306,19 @@ class Tracer(TorchDispatchMode):
                     written[id(w)] = w
                 elif isinstance(w, (list, tuple)):
                     stack.extend(w)
+        self._snapshot_read(written.values())
+        return written
+
+    def _snapshot_read(self, tensors) -> None:
+        """Before ``tensors`` are written: snapshot the held values of theirs that a
+        replay reads (Note [Versions of written tensors])."""
         gmap = self.graph.map
-        for t in written.values():
+        for t in tensors:
             e = gmap.get(t)
-            if e is not None and e[3] == t._version:
+            if e is not None and (e[3] is None or e[3] == t._version):
                 node, idx = e[1], e[2]
                 if node.read_by_replay and node.saved is not None and node.saved[idx] is not None:
                     node.saved[idx].snapshot()
-        return written
 
     @staticmethod
     def _recomputable(graph: Graph, func, info, args, kwargs, nout, frame) -> Node:

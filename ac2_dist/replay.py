@@ -30,8 +30,20 @@ Note [Replay environment]
       region), passes replayed ops through without recording them;
     - an RNG op recorded with ``rng="replay"`` runs with its generator set to the
       state stashed before the forward call, then the generator is restored.
+    - with ``create_graph=True`` the saved-tensor hooks of a region active on this
+      thread (backward called inside a region, e.g. a gradient penalty) are lifted
+      for the replay (Note [Replays save natively]).
     Other dispatch modes the user has active (e.g. ``FlopCounterMode``) still see
     the replayed ops.
+
+Note [Replays save natively]
+    A replay under ``create_graph=True`` is recorded by autograd, which saves
+    tensors for it. Were the saving region's hooks on top of the stack, a replayed
+    output would be packed into a region leaf holding it by identity: tensor ->
+    grad_fn -> saved handle -> graph -> leaf -> tensor, a cycle through C++ autograd
+    nodes that gc cannot collect (the whole region leaked every step). With our
+    hooks lifted autograd saves natively (an output without its grad_fn: no cycle).
+    A user's own hooks on top of ours are left alone.
 """
 
 from __future__ import annotations
@@ -44,6 +56,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.profiler import record_function
+
+from ._graph import unpack_handle
 
 _NULL = contextlib.nullcontext()
 
@@ -64,6 +78,23 @@ def default_generator(device: torch.device) -> torch.Generator:
     mod = getattr(torch, device.type)
     index = device.index if device.index is not None else mod.current_device()
     return mod.default_generators[index]
+
+
+class _OwnHooksLifted:
+    """Pop this thread's top saved-tensor hooks for a replay if they are a region's
+    (Note [Replays save natively]); push them back afterwards."""
+
+    __slots__ = ("_top",)
+
+    def __enter__(self) -> None:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self._top = top if top is not None and top[1] is unpack_handle else None
+        if self._top is not None:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._top is not None:
+            torch._C._autograd._push_saved_tensors_default_hooks(*self._top)
 
 
 class _NoAutocast:
@@ -124,6 +155,18 @@ class ReplayConfig:
 DEFAULT_CONFIG = ReplayConfig()
 
 
+def check_replay(replay: Any) -> ReplayConfig:
+    """``replay=`` argument: a :class:`ReplayConfig` or ``None`` (the default)."""
+    if replay is None:
+        return DEFAULT_CONFIG
+    if not isinstance(replay, ReplayConfig):
+        raise TypeError(
+            f"ac2_dist: replay= takes an ac2_dist.ReplayConfig or None, got {replay!r}; e.g. "
+            "replay=ac2_dist.ReplayConfig(stream='inline', prefetch=1)"
+        )
+    return replay
+
+
 def _is_stream(s: Any) -> bool:
     return hasattr(torch, "cuda") and isinstance(s, torch.cuda.Stream)
 
@@ -155,7 +198,10 @@ class InlineExecutor:
         t0 = time.perf_counter()
         try:
             with torch.autograd.grad_mode.set_grad_enabled(create_graph), _NoAutocast():
-                return graph.realize(node, idx)
+                if not create_graph:
+                    return graph.realize(node, idx)
+                with _OwnHooksLifted():
+                    return graph.realize(node, idx)
         finally:
             graph.stats.replay_seconds += time.perf_counter() - t0
             state.replaying -= 1

@@ -89,6 +89,11 @@ class OpInfo:
     has_tensor_lists: bool
     #: Some return aliases an input (view ops): saved outputs are detached.
     returns_alias: bool
+    #: For view ops, the argument the outputs are views of: they share its version
+    #: counter once the op returns (Note [Versions of view outputs] in _tracer.py).
+    view_src: int | None = None
+    #: A ``HigherOrderOperator`` (no schema; Note [Higher-order operators]).
+    higher_order: bool = False
 
     def writes(self, args: tuple) -> bool:
         """True if this call writes one of its arguments."""
@@ -194,10 +199,24 @@ def _classify_namespace(ns: str) -> SideEffect:
     return SideEffect.NONE
 
 
+# Note [Higher-order operators]
+#     A ``HigherOrderOperator`` (flex_attention in eager, cond, ...) reaches the tracer
+#     as one call whose arguments may be nested tuples, callables and graph modules.
+#     It is recorded as a saved node: its outputs are kept and it is never replayed
+#     (its subgraph ran below the tracer, with the mode popped, so nothing inside it
+#     is in the graph). torch declares a HOP without ``gen_schema`` functional (it
+#     mutates nothing); one whose generated schema writes an argument makes every
+#     tensor argument a new version (we do not map schema positions to nested
+#     tensors), which is conservative.
+
+
 def _build(op: torch._ops.OpOverload) -> OpInfo:
     schema = getattr(op, "_schema", None)
-    if schema is None:  # e.g. a higher-order op reaching the mode: never replayed
-        return OpInfo(op, False, SideEffect.OPAQUE, (), False, None, None, None, False, True, True)
+    if schema is None:  # a higher-order op (Note [Higher-order operators]): never replayed
+        return OpInfo(
+            op, False, SideEffect.OPAQUE, (), False, None, None, None, False, True, True,
+            higher_order=isinstance(op, torch._ops.HigherOrderOperator),
+        )
     written: list[int | str] = []
     dropout_arg = generator_arg = None
     has_lists = False
@@ -224,6 +243,12 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
         written = [0]
         declared = False
     returns_alias = any(r.alias_info is not None for r in schema.returns)
+    view_src = None
+    if returns_alias and not written and getattr(op, "is_view", False):
+        view_src = next(
+            (i for i, a in enumerate(schema.arguments) if a.alias_info is not None and not a.alias_info.is_write),
+            None,
+        )
     side_effect = _classify_namespace(op.namespace)
     if side_effect is SideEffect.NONE and _REGISTRY.matches(op):
         side_effect = SideEffect.REGISTERED
@@ -245,7 +270,20 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
         declared_writes=declared,
         has_tensor_lists=has_lists,
         returns_alias=returns_alias,
+        view_src=view_src,
     )
+
+
+def hop_writes(op: torch._ops.HigherOrderOperator, args: tuple, kwargs: dict) -> bool:
+    """True if ``op``'s generated schema for this call writes an argument (Note
+    [Higher-order operators]); HOPs without ``gen_schema`` are functional."""
+    try:
+        schema = op.gen_schema(*args, **kwargs)
+    except NotImplementedError:
+        return False
+    except Exception:  # a schema generator that cannot handle these arguments
+        return True
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def op_info(op: torch._ops.OpOverload) -> OpInfo:

@@ -1,0 +1,90 @@
+"""torch.compile: checkpointed modules and functions inside compiled code (CONTRACT §10).
+
+The eager tracer (a TorchDispatchMode, saved-tensor hooks, a module forward hook)
+cannot run inside a dynamo-traced frame: dynamo would break the graph at every
+region. Inside compiled code a checkpointed call is therefore routed through
+``torch.utils.checkpoint.checkpoint(..., context_fn=create_selective_checkpoint_contexts(p))``,
+which dynamo captures as one ``tag_activation_checkpoint`` higher-order op, and whose
+policy ``p`` AOTAutograd asks for every op of the joint graph; the min-cut
+partitioner then saves what ``p`` saves and recomputes the rest in the compiled
+backward.
+
+Note [One policy, two executors]
+    ``p`` is :class:`CompiledPolicy`: the same region frames the eager tracer
+    resolves (``_policy.resolve``), plus the eager side-effect rules of CONTRACT §3:
+    collectives, FSDP and registered side-effect ops are MUST_SAVE (never recomputed
+    in the compiled backward), and so are random ops (the compiled backward reuses
+    the forward's bits). What only the eager executor can do (``SAVE_WITH_HOOKS``,
+    CPU offload) is refused with an error naming the op and the feature.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from ._policy import SAVE_WITH_HOOKS, PolicyContext, _Frame, resolve
+from .side_effects import SideEffect, op_info
+
+__all__ = ["is_compiling", "CompiledPolicy", "checkpoint_compiled"]
+
+_CP = CheckpointPolicy
+_NEVER_RECOMPUTED = (SideEffect.COLLECTIVE, SideEffect.FSDP, SideEffect.REGISTERED, SideEffect.OPAQUE)
+
+
+def is_compiling() -> bool:
+    """True while dynamo traces the calling frame (then ac2 takes the compiled path)."""
+    return torch.compiler.is_compiling()
+
+
+class CompiledPolicy:
+    """ac2's policy as a torch selective-checkpoint policy (Note [One policy, two executors])."""
+
+    def __init__(self, frames: list[_Frame]) -> None:
+        self.frames = list(frames)
+        self.ctx: PolicyContext | None = None  # made when AOTAutograd first asks (rank known then)
+        # What dynamo sees: built here, outside the traced frame.
+        self.context_fn = functools.partial(create_selective_checkpoint_contexts, self)
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        info = op_info(op)
+        if info.ignored:
+            return _CP.PREFER_RECOMPUTE
+        mine = self.ctx
+        if mine is None:
+            mine = self.ctx = PolicyContext(self.frames[-1].module_fqn, _rank())
+        mine.op_output = getattr(ctx, "op_output", None)
+        try:
+            decision = resolve(self.frames, mine, op, args, kwargs)
+        finally:
+            mine.op_output = None
+        if isinstance(decision, SAVE_WITH_HOOKS) or decision in (_CP.MUST_CPU_OFFLOAD, _CP.PREFER_CPU_OFFLOAD):
+            raise RuntimeError(
+                f"ac2_dist: the policy returned {decision!r} for {op} inside torch.compile; "
+                "SAVE_WITH_HOOKS and CPU offload run only in eager mode. Return a save or "
+                "recompute policy for compiled blocks (or do not compile this block)."
+            )
+        never = info.side_effect in _NEVER_RECOMPUTED or (info.is_rng and info.is_random(args, kwargs))
+        if never:
+            if decision is _CP.MUST_RECOMPUTE:
+                raise RuntimeError(
+                    f"ac2_dist: the policy returned MUST_RECOMPUTE for {op}, which is a "
+                    f"{'random' if info.is_rng else info.side_effect.value} op and is never "
+                    "recomputed (CONTRACT §3). Return a save or PREFER_* policy for it."
+                )
+            return _CP.MUST_SAVE
+        return decision
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def checkpoint_compiled(fn: Callable[..., Any], policy: CompiledPolicy, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` as one checkpointed region of the compiled graph."""
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=policy.context_fn, **kwargs)
