@@ -17,15 +17,19 @@ Quick start::
 See ``help(ac2_dist.apply_ac_policy)`` and the README for policies and nesting.
 """
 
-from torch.utils.checkpoint import CheckpointPolicy
+from ._compat import check_torch
 
-from . import fsdp, memory
-from ._graph import GraphStats
-from ._modules import apply_ac, unwrap, wrap
-from ._policy import SAVE_WITH_HOOKS, PolicyContext
-from ._region import apply_ac_policy, apply_ac_policy_fn, is_checkpoint_enabled, tag_with_policy
-from .replay import ReplayConfig
-from .side_effects import register_side_effect
+check_torch()  # Note [Supported torch versions] (_compat.py)
+
+from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
+
+from . import fsdp, memory  # noqa: E402
+from ._graph import GraphStats  # noqa: E402
+from ._modules import apply_ac, unwrap, wrap  # noqa: E402
+from ._policy import SAVE_WITH_HOOKS, PolicyContext  # noqa: E402
+from ._region import apply_ac_policy, apply_ac_policy_fn, is_checkpoint_enabled, tag_with_policy  # noqa: E402
+from .replay import ReplayConfig  # noqa: E402
+from .side_effects import register_side_effect  # noqa: E402
 
 __all__ = [
     "CheckpointPolicy",

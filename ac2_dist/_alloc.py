@@ -1,17 +1,21 @@
 """Real allocation accounting from the allocator's own events (torch.profiler).
 
 On CPU there is no ``memory_allocated()``; the profiler's memory events are the
-allocator's record of every allocation and free (size and time). Replaying them in
-time order gives the bytes allocated at any moment of a window, relative to its
-start. The same works for CUDA events, so one code path serves both devices.
+allocator's record of every allocation and free (address, size and time). Replaying
+them in time order gives the bytes allocated within a window that are alive at any
+moment of it. The same works for CUDA events, so one code path serves both devices.
 """
 
 from __future__ import annotations
 
+import atexit
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._C._profiler import _ExtraFields_Allocation as _Allocation
 from torch.profiler import ProfilerActivity, profile, record_function
 
 __all__ = ["AllocationTrace", "Phase"]
@@ -23,7 +27,7 @@ _MARK_PREFIX = "ac2::mark::"
 class Phase:
     """Allocation figures of one span of an :class:`AllocationTrace` (bytes)."""
 
-    start_bytes: int = 0  # live bytes (relative to the trace start) when it began
+    start_bytes: int = 0  # live bytes (allocated in the trace) when it began
     peak_bytes: int = 0  # highest live bytes reached inside it
     end_bytes: int = 0  # live bytes when it ended
     allocations: int = 0
@@ -35,7 +39,9 @@ class AllocationTrace:
 
     ``mark(name)`` splits the window into phases; after exit, ``phases[name]`` covers
     from that mark to the next one (or the end). ``whole`` covers the window.
-    Figures are relative to the bytes live when the trace started.
+    Figures count the blocks allocated while the trace runs: 0 at its start, and frees
+    of blocks allocated before it are not counted (Note [Frees of blocks from before
+    the trace]).
     """
 
     device_type: str = "cpu"
@@ -52,9 +58,32 @@ class AllocationTrace:
         acts = [ProfilerActivity.CPU]
         if self.device_type == "cuda":
             acts.append(ProfilerActivity.CUDA)
-        self._prof = profile(activities=acts, profile_memory=True, record_shapes=False)
-        self._prof.__enter__()
+        prof = profile(activities=acts, profile_memory=True, record_shapes=False)
+        try:
+            prof.__enter__()
+        except BaseException:
+            if torch._C._autograd._profiler_enabled():  # it started, then failed
+                prof.__exit__(None, None, None)
+            raise
+        self._prof = prof
+        atexit.register(self._stop_at_exit)
         return self
+
+    def _stop_at_exit(self) -> None:
+        """Stop a session still running when the interpreter exits.
+
+        Note [No profiler session outlives the interpreter]: a profiler session that is
+        still running at interpreter exit crashes the process while C++ statics are torn
+        down (SIGSEGV, exit status 139, instead of the script's own status or error).
+        A trace whose ``__exit__`` never ran (a tracker entered by hand, then an exception)
+        is stopped here, from atexit, while the interpreter is alive.
+        """
+        prof, self._prof = self._prof, None
+        if prof is None:
+            return
+        warnings.warn("ac2_dist: a memory tracker was still active at exit (its with-block never "
+                      "ended); its profiler session is stopped now", RuntimeWarning, stacklevel=1)
+        prof.__exit__(None, None, None)
 
     def mark(self, name: str) -> None:
         """An instant profiler range: only its start time is read back (phase boundary)."""
@@ -63,26 +92,25 @@ class AllocationTrace:
         marker.__exit__(None, None, None)
 
     def __exit__(self, *exc: Any) -> None:
-        self._prof.__exit__(*exc)
-        want = self.device_type
-        open_calls: dict[tuple[str, int], int] = {}  # (name, thread) -> end of the outer call
-        for e in self._prof.profiler.kineto_results.events():
-            name = e.name()
-            if name == "[memory]":
-                if _device_type(e) == want:
-                    self.events.append((e.start_ns(), e.nbytes()))
+        atexit.unregister(self._stop_at_exit)
+        prof, self._prof = self._prof, None
+        prof.__exit__(*exc)
+        allocations: list[tuple[int, int, int]] = []  # (time_ns, address, +/- bytes)
+        for e in _walk(prof.profiler.kineto_results.experimental_event_tree()):
+            name = e.name
+            fields = e.extra_fields
+            if isinstance(fields, _Allocation):
+                if fields.device.type == self.device_type:
+                    allocations.append((e.start_time_ns, fields.ptr, fields.alloc_size))
             elif name.startswith(_MARK_PREFIX):
-                self.marks.append((e.start_ns(), name[len(_MARK_PREFIX):]))
-            elif name in self.watch:
+                self.marks.append((e.start_time_ns, name[len(_MARK_PREFIX):]))
+            elif name in self.watch and not _inside(e, name):
                 # A watched op may appear again nested inside its own event (dispatcher
-                # re-entry): count only the outermost one per thread.
-                key, start = (name, e.start_thread_id()), e.start_ns()
-                if start > open_calls.get(key, -1):
-                    open_calls[key] = e.end_ns()
-                    self.calls.append((start, name))
-        self._prof = None
-        self.events.sort()
+                # re-entry): count only the outermost one.
+                self.calls.append((e.start_time_ns, name))
+        self.events = _paired(allocations)
         self.marks.sort()
+        self.calls.sort()
         self._summarize()
 
     def calls_after(self, mark: str) -> int:
@@ -118,3 +146,46 @@ class AllocationTrace:
 def _device_type(e: Any) -> str:
     dt = e.device_type()
     return "cuda" if dt == torch.autograd.DeviceType.CUDA else "cpu"
+
+
+def _walk(roots: list[Any]) -> Iterator[Any]:
+    """Every event of a profiler event tree, parents before children, siblings in order."""
+    stack = list(reversed(roots))
+    while stack:
+        e = stack.pop()
+        yield e
+        stack.extend(reversed(e.children))
+
+
+def _inside(e: Any, name: str) -> bool:
+    """Whether an enclosing event of ``e`` has the same name."""
+    parent = e.parent
+    while parent is not None:
+        if parent.name == name:
+            return True
+        parent = parent.parent
+    return False
+
+
+def _paired(allocations: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """(time_ns, +/- bytes) in time order, keeping only frees of blocks allocated in the trace.
+
+    Note [Frees of blocks from before the trace]: the CPU allocator remembers the size
+    of every block allocated while any memory-profiling session ran (a table for the
+    whole process), so a block allocated during an *earlier* session and freed during
+    this one is reported as a free of known size, while blocks from before any session
+    are freed silently. Counting those frees made the figures depend on what ran earlier
+    in the process (garbage from an earlier tracked step, collected mid-forward, lowered
+    this step's peak). So a free counts only if this trace saw the block's allocation
+    (paired by address; an address can be reused once freed).
+    """
+    allocations.sort(key=lambda a: a[0])  # stable: equal times keep the tree's order
+    live: dict[int, int] = {}
+    events: list[tuple[int, int]] = []
+    for t, ptr, nbytes in allocations:
+        if nbytes > 0:
+            live[ptr] = nbytes
+            events.append((t, nbytes))
+        elif nbytes < 0 and ptr in live:
+            events.append((t, -live.pop(ptr)))
+    return events

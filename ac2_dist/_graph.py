@@ -49,11 +49,13 @@ from typing import Any
 
 import torch
 
+from ._compat import CPU_OFFLOAD
 from ._policy import SAVE_WITH_HOOKS, Decision
+from .compile import skip_dynamo
 from .fsdp import ensure_unsharded
 
 _CP = torch.utils.checkpoint.CheckpointPolicy
-_OFFLOAD = frozenset({_CP.MUST_CPU_OFFLOAD, _CP.PREFER_CPU_OFFLOAD})
+_OFFLOAD = CPU_OFFLOAD
 
 #: Why a value is held after forward (keys of ``RankReport.saved_bytes_by_reason``).
 REASONS = ("policy", "side_effect", "rng", "boundary", "tagged", "offloaded")
@@ -346,6 +348,7 @@ def _handle_seq(h: Handle) -> int:
     return h.seq
 
 
+@skip_dynamo
 def unpack_handle(handle: Handle) -> Any:
     """The saved-tensor unpack hook of every region (the pack hook is ``Graph.pack``)."""
     return handle.graph.unpack(handle)
@@ -472,6 +475,7 @@ class Graph:
                 n.scheduled = False
                 stack.extend((m, j) for _, m, j in n.inputs)
 
+    @skip_dynamo
     def pack(self, t: torch.Tensor) -> Handle:
         # Autograd may save an op's inputs before the tracer sees the op: a region input
         # can become a leaf here first, under the innermost region's mutation setting.

@@ -71,8 +71,8 @@ class _CheckpointedForward:
         previous = self.previous
         if is_compiling():  # traced by dynamo: one checkpointed region of the compiled graph
             if previous is not None:
-                return checkpoint_compiled(previous, self.compiled, *args, **kwargs)
-            return checkpoint_compiled(type(module).forward, self.compiled, module, *args, **kwargs)
+                return checkpoint_compiled(previous, self.compiled.context_fn, *args, **kwargs)
+            return checkpoint_compiled(type(module).forward, self.compiled.context_fn, module, *args, **kwargs)
         if not _needs_region(module, args, kwargs):  # Note [No grad, no region] (_region.py)
             if previous is not None:
                 return previous(*args, **kwargs)

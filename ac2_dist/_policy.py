@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
+from ._compat import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD
+
 __all__ = ["CheckpointPolicy", "SAVE_WITH_HOOKS", "PolicyContext", "PolicyLike"]
 
 _CP = CheckpointPolicy
@@ -60,7 +62,8 @@ class PolicyContext(SelectiveCheckpointContext):
     __slots__ = ("module_fqn", "rank")
 
     def __init__(self, module_fqn: str = "", rank: int = 0) -> None:
-        super().__init__(is_recompute=False, op_output=None)
+        super().__init__(is_recompute=False)  # torch < 2.12 has no op_output argument
+        self.op_output = None
         self.module_fqn = module_fqn
         self.rank = rank
 
@@ -84,7 +87,7 @@ ACCEPTED_FORMS = (
 
 # Identity comparisons, not set membership: Enum.__hash__ is a Python call (hot path).
 _MS, _PS, _MR = _CP.MUST_SAVE, _CP.PREFER_SAVE, _CP.MUST_RECOMPUTE
-_MO, _PO = _CP.MUST_CPU_OFFLOAD, _CP.PREFER_CPU_OFFLOAD
+_MO, _PO = MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD  # None before torch 2.11 (_compat.py)
 _PR = _CP.PREFER_RECOMPUTE
 
 

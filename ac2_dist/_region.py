@@ -18,6 +18,20 @@ Note [Outermost region owns the graph]
     reachable only from the handles autograd holds: nothing of a region outlives its
     autograd graph.
 
+Note [Regions inside compiled code]
+    The tracer, the saved-tensor hooks and the module hook cannot live inside a graph
+    that dynamo captures. Checkpointed modules (``apply_ac``/``wrap``) and
+    :func:`apply_ac_policy_fn` take the compiled path there (``compile.py``: one
+    ``tag_activation_checkpoint`` region of the compiled graph, no graph break). A
+    ``with apply_ac_policy(...)`` block has no function to hand to that path. While
+    dynamo traces its ``__enter__``, :func:`_announce_split` runs for real (dynamo
+    calls ``assume_constant_result`` functions at trace time) and warns, once per
+    process; then :func:`_eager_enter`, a ``torch.compiler.disable``d call, breaks the
+    graph (under ``fullgraph=True`` dynamo's error carries the same text) and the
+    block runs as an eager region. Everything ac2 runs at run time (entry, exit,
+    hooks, the tracer) is marked skipped for dynamo (``compile.skip_dynamo``), so the
+    eager fallback does not make dynamo compile ac2's own frames.
+
 Note [No grad, no region]
     A region entered while grad mode is off (``torch.no_grad()``,
     ``torch.inference_mode()``) installs nothing and records nothing: no op of it can
@@ -29,6 +43,7 @@ Note [No grad, no region]
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -37,6 +52,7 @@ import torch
 from ._graph import Graph, GraphStats, unpack_handle
 from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, _Frame, is_save
 from ._tracer import Tracer
+from .compile import checkpoint_compiled, policy_context_fn, skip_dynamo
 from .fsdp import is_fsdp_unit, unsharded_params
 from .replay import ReplayConfig, check_replay
 
@@ -49,6 +65,13 @@ __all__ = [
 
 T = TypeVar("T")
 _CP = torch.utils.checkpoint.CheckpointPolicy
+_compiling = torch.compiler.is_compiling
+_COMPILED_REGION = (
+    "ac2_dist: a `with ac2_dist.apply_ac_policy(...)` block inside torch.compile is a graph "
+    "break: the block runs eagerly as an ac2 region (dynamo may run the whole function that "
+    "contains it eagerly). To checkpoint inside compiled code with no graph break, use ac2_dist.apply_ac(model, ...) / ac2_dist.wrap(module) or "
+    "ac2_dist.apply_ac_policy_fn(fn, *args, policy_fn=...)"
+)
 
 
 class _Install:
@@ -139,6 +162,13 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
         return self
 
     def __enter__(self) -> apply_ac_policy:
+        if _compiling():  # Note [Regions inside compiled code]
+            _announce_split()
+            return _eager_enter(self)
+        return self._enter()
+
+    @skip_dynamo
+    def _enter(self) -> apply_ac_policy:
         st = _thread_state()
         if any(o is self for o in st.owners):
             raise RuntimeError(
@@ -177,6 +207,12 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
         return _Install(self, graph, tracer, hooks, module_hook)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if _compiling():  # Note [Regions inside compiled code]
+            return _eager_exit(self, exc_type, exc, tb)
+        return self._exit(exc_type, exc, tb)
+
+    @skip_dynamo
+    def _exit(self, exc_type: Any, exc: Any, tb: Any) -> None:
         st = _thread_state()
         if not st.owners or st.owners[-1] is not self:
             raise RuntimeError(
@@ -196,6 +232,27 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
                 install.hooks.__exit__(exc_type, exc, tb)
 
 
+@torch._dynamo.assume_constant_result
+def _announce_split() -> bool:
+    """Warn that dynamo splits the graph at a region; runs while dynamo traces (its
+    result is taken as a constant). The default warning filter shows it once per
+    process (one call site)."""
+    warnings.warn(_COMPILED_REGION, UserWarning, stacklevel=1)
+    return True
+
+
+@torch.compiler.disable(reason=_COMPILED_REGION)
+def _eager_enter(region: apply_ac_policy) -> apply_ac_policy:
+    """Enter ``region`` outside dynamo (Note [Regions inside compiled code])."""
+    return region._enter()
+
+
+@torch.compiler.disable(reason=_COMPILED_REGION)
+def _eager_exit(region: apply_ac_policy, exc_type: Any, exc: Any, tb: Any) -> None:
+    return region._exit(exc_type, exc, tb)
+
+
+@skip_dynamo
 def _unit_boundary(module: torch.nn.Module, args: Any, output: Any) -> None:
     """Global forward hook while a region is active (process-wide, filtered by thread).
 
@@ -220,7 +277,14 @@ def apply_ac_policy_fn(
     allow_cache_entry_mutation: bool = False,
     **kwargs: Any,
 ) -> T:
-    """Call ``fn(*args, **kwargs)`` inside ``apply_ac_policy(policy_fn, ...)``."""
+    """Call ``fn(*args, **kwargs)`` inside ``apply_ac_policy(policy_fn, ...)``.
+
+    Inside ``torch.compile`` the call becomes one checkpointed region of the compiled
+    graph with the same policy (no graph break; Note [Regions inside compiled code]).
+    """
+    if _compiling():
+        context_fn = policy_context_fn(policy_fn, rng, allow_cache_entry_mutation)
+        return checkpoint_compiled(fn, context_fn, *args, **kwargs)
     with apply_ac_policy(policy_fn, rng=rng, allow_cache_entry_mutation=allow_cache_entry_mutation):
         return fn(*args, **kwargs)
 

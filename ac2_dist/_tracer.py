@@ -38,6 +38,14 @@ Note [Versions of view outputs]
     optimizer step looked stale and became a region input, and a mutation of a saved
     view's base went unnoticed.
 
+Note [Dynamo inside a region]
+    TorchDispatchMode wraps ``__torch_dispatch__`` in a dynamo-disable shim (~4 us per
+    op). The tracer opts out of the shim and instead marks its code objects "skip,
+    recursively" once (:func:`~.compile.skip_dynamo`): dynamo never converts them, even when
+    a compiled function calls into the mode at run time (eager flex_attention runs
+    a compiled wrapper that dispatches a higher-order op to the active mode). If
+    dynamo traces a region anyway (a mode active while tracing), ops pass through.
+
 Note [What inference mode records]
     Ops run under ``torch.inference_mode()`` inside a region are not recorded:
     nothing computed there can be differentiated. Their outputs (inference tensors,
@@ -53,6 +61,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._graph import Graph, Node, Saved, alias, flatten_outputs, version_of
 from ._policy import PolicyContext, is_save, resolve
+from .compile import skip_dynamo as _skip_dynamo
 from .replay import default_generator
 from .side_effects import _INFO, SideEffect, hop_writes, op_info
 
@@ -64,6 +73,7 @@ except ImportError:  # torch built without distributed
 _CP = torch.utils.checkpoint.CheckpointPolicy
 _Tensor = torch.Tensor
 _inference_mode = torch.is_inference_mode_enabled
+_compiling = torch.compiler.is_compiling
 _NONE = SideEffect.NONE
 _COMMUNICATING = (SideEffect.COLLECTIVE, SideEffect.FSDP, SideEffect.REGISTERED)
 # What an op may return without being opaque (anything else, e.g. a Work handle, is).
@@ -105,6 +115,7 @@ class _CollectiveProbe(TorchDispatchMode):
         super().__init__()
         self.hit: Any = None
 
+    @_skip_dynamo
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if types and _DTensor is not None and any(issubclass(t, _DTensor) for t in types):
             return NotImplemented
@@ -122,10 +133,15 @@ class Tracer(TorchDispatchMode):
     supports_higher_order_operators = True
 
     @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Off while torch compiles something inside a region (Note [Dynamo inside a
+        # region]); a compiled artifact's saved tensors reach the region's pack hook
+        # as values it did not record: region inputs, saved.
+        return True
+
+    @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        # TorchDispatchMode wraps a subclass's __torch_dispatch__ in a dynamo-disable
-        # shim (~4 us per op). The tracer only runs in eager (a compiled region never
-        # dispatches through it op by op), so the shim buys nothing here.
+        # Note [Dynamo inside a region]: no per-call shim; the code is marked skipped.
         return False
 
     def __init__(self, graph: Graph, state: Any, ctx: PolicyContext) -> None:
@@ -135,11 +151,13 @@ class Tracer(TorchDispatchMode):
         self.ctx = ctx
         self.probe = _CollectiveProbe()
 
+    @_skip_dynamo
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: C901 - hot path
         if kwargs is None:
             kwargs = {}
         state = self.state
-        if state.replaying or _inference_mode():  # Note [What inference mode records]
+        if state.replaying or _compiling() or _inference_mode():
+            # Note [Dynamo inside a region], Note [What inference mode records]
             return func(*args, **kwargs)
         info = _INFO.get(func) or op_info(func)
         if info.higher_order:

@@ -27,13 +27,32 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ._compat import CPU_OFFLOAD
 from ._policy import SAVE_WITH_HOOKS, PolicyContext, _Frame, resolve
 from .side_effects import SideEffect, op_info
 
-__all__ = ["is_compiling", "CompiledPolicy", "checkpoint_compiled"]
+__all__ = ["is_compiling", "skip_dynamo", "CompiledPolicy", "checkpoint_compiled", "policy_context_fn"]
 
 _CP = CheckpointPolicy
 _NEVER_RECOMPUTED = (SideEffect.COLLECTIVE, SideEffect.FSDP, SideEffect.REGISTERED, SideEffect.OPAQUE)
+
+
+def skip_dynamo(fn: Any) -> Any:
+    """Mark ``fn``'s code "skip, recursively" for dynamo (a frame it never converts).
+
+    For ac2's run-time callbacks (dispatch mode, saved-tensor hooks, module hooks,
+    region entry): when they run inside a function dynamo gave up on, dynamo would
+    otherwise try to compile each of them as a frame of its own and break on ac2's
+    thread-local state. Marking is once, at import; a call costs nothing.
+    """
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+        return fn
+    except (ImportError, AttributeError):  # a torch without code strategies: disable
+        return torch._disable_dynamo(fn, recursive=True)
 
 
 def is_compiling() -> bool:
@@ -62,7 +81,7 @@ class CompiledPolicy:
             decision = resolve(self.frames, mine, op, args, kwargs)
         finally:
             mine.op_output = None
-        if isinstance(decision, SAVE_WITH_HOOKS) or decision in (_CP.MUST_CPU_OFFLOAD, _CP.PREFER_CPU_OFFLOAD):
+        if isinstance(decision, SAVE_WITH_HOOKS) or decision in CPU_OFFLOAD:
             raise RuntimeError(
                 f"ac2_dist: the policy returned {decision!r} for {op} inside torch.compile; "
                 "SAVE_WITH_HOOKS and CPU offload run only in eager mode. Return a save or "
@@ -85,6 +104,22 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def checkpoint_compiled(fn: Callable[..., Any], policy: CompiledPolicy, *args: Any, **kwargs: Any) -> Any:
+def policy_context_fn(policy: Any, rng: str, allow_mutation: bool) -> Any:
+    """A ``context_fn`` for a policy given inside traced code (``apply_ac_policy_fn``).
+
+    Dynamo hands ``context_fn`` to the checkpoint higher-order op only if it is a
+    Python constant; a partial of this module's function over the user's policy
+    arguments is one, where a :class:`CompiledPolicy` built inside the traced frame
+    is not. The policy is normalized when AOTAutograd calls it.
+    """
+    return functools.partial(_contexts, policy, rng, allow_mutation)
+
+
+def _contexts(policy: Any, rng: str, allow_mutation: bool) -> Any:
+    frame = _Frame(policy, rng=rng, allow_mutation=allow_mutation, module_fqn="")
+    return create_selective_checkpoint_contexts(CompiledPolicy([frame]))
+
+
+def checkpoint_compiled(fn: Callable[..., Any], context_fn: Any, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` as one checkpointed region of the compiled graph."""
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=policy.context_fn, **kwargs)
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)

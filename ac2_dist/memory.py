@@ -17,8 +17,12 @@ parameters excluded). Nothing is installed while no tracker is active.
 from __future__ import annotations
 
 import json
+import os
+import warnings
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -28,7 +32,7 @@ from ._alloc import AllocationTrace
 from ._graph import REASONS, Graph, Node
 from ._region import _thread_state
 
-__all__ = ["RankReport", "Tracker", "track", "gather", "format_table", "plot", "save_run", "load_run"]
+__all__ = ["RankReport", "Tracker", "track", "gather", "format_table", "plot", "save_run", "load_run", "run_warnings"]
 
 SCHEMA_VERSION = 1
 _ALLGATHER_EVENTS = frozenset({"c10d::_allgather_base_", "_c10d_functional::all_gather_into_tensor"})
@@ -63,15 +67,116 @@ class RankReport:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RankReport:
+    def from_dict(cls, d: Any) -> RankReport:
+        """Rebuild a report from :meth:`to_dict`'s output (e.g. one entry of a run file).
+
+        Raises ValueError naming the first field that is missing or has the wrong type.
+        Every key of CONTRACT §8 is required; ``steps`` and ``live_bytes_after_forward``
+        (added later in schema 1) default to 0; unknown keys are ignored.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"a rank report must be a JSON object (dict), got {_describe(d)}")
         version = d.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ValueError(
-                f"ac2_dist: report schema_version {version!r} is not supported (expected "
+                f"report schema_version {version!r} is not supported (expected "
                 f"{SCHEMA_VERSION}); re-run with a matching ac2_dist version"
             )
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        missing = [k for k in _REQUIRED if k not in d]
+        if missing:
+            raise ValueError(f"report is missing field(s) {', '.join(missing)}")
+        values: dict[str, Any] = {}
+        for name, check in _FIELD_CHECKS.items():
+            if name in d:
+                values[name] = check(name, d[name])
+        return cls(**values)
+
+
+def _describe(value: Any) -> str:
+    """A short, one-line description of a JSON value for error messages."""
+    if value is None:
+        return "null"
+    kind = _JSON_NAMES.get(type(value), type(value).__name__)
+    text = repr(value)
+    return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+_JSON_NAMES = MappingProxyType({dict: "object", list: "list", str: "string", bool: "boolean",
+                                int: "integer", float: "number"})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any) -> int:
+    if not _is_int(value):
+        raise ValueError(f"field {name} must be an integer, got {_describe(value)}")
+    return value
+
+
+def _check_rank(name: str, value: Any) -> int:
+    if _check_int(name, value) < 0:
+        raise ValueError(f"field {name} must be >= 0, got {value}")
+    return value
+
+
+def _check_world_size(name: str, value: Any) -> int:
+    if _check_int(name, value) < 1:
+        raise ValueError(f"field {name} must be >= 1, got {value}")
+    return value
+
+
+def _check_float(name: str, value: Any) -> float:
+    if not (_is_int(value) or isinstance(value, float)):
+        raise ValueError(f"field {name} must be a number, got {_describe(value)}")
+    return float(value)
+
+
+def _check_str(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"field {name} must be a string, got {_describe(value)}")
+    return value
+
+
+def _check_int_map(name: str, value: Any) -> dict[str, int]:
+    if not isinstance(value, dict):
+        raise ValueError(f"field {name} must be an object of integers, got {_describe(value)}")
+    for key, v in value.items():
+        if not _is_int(v):
+            raise ValueError(f"field {name}[{key!r}] must be an integer, got {_describe(v)}")
+    return dict(value)
+
+
+def _check_per_module(name: str, value: Any) -> dict[str, dict[str, int]]:
+    if not isinstance(value, dict):
+        raise ValueError(f"field {name} must be an object {{fqn: {{...}}}}, got {_describe(value)}")
+    return {fqn: _check_int_map(f"{name}[{fqn!r}]", entry) for fqn, entry in value.items()}
+
+
+# Note [Run-file validation]: every field of RankReport has a checker here (a test
+# keeps the two in sync), so a report read back has the types format_table/plot use;
+# a bad file fails in from_dict with the field's name instead of deep inside rendering.
+_FIELD_CHECKS = MappingProxyType({
+    "rank": _check_rank,
+    "world_size": _check_world_size,
+    "device": _check_str,
+    "steps": _check_int,
+    "peak_bytes_forward": _check_int,
+    "peak_bytes_backward": _check_int,
+    "live_bytes_after_forward": _check_int,
+    "saved_bytes": _check_int,
+    "saved_bytes_by_reason": _check_int_map,
+    "recomputed_ops": _check_int,
+    "recomputed_bytes": _check_int,
+    "replay_seconds": _check_float,
+    "collectives_not_replayed": _check_int,
+    "allgathers_backward": _check_int,
+    "per_module": _check_per_module,
+    "schema_version": _check_int,
+})
+_OPTIONAL = frozenset({"steps", "live_bytes_after_forward"})  # added within schema 1
+_REQUIRED = tuple(k for k in _FIELD_CHECKS if k not in _OPTIONAL)
 
 
 def _held_bytes(graphs: Iterable[Graph], params: set[int]) -> tuple[dict[str, int], dict[str, int]]:
@@ -119,6 +224,12 @@ class Tracker:
     """Collects one rank's figures while active; see :func:`track`."""
 
     def __init__(self, model: nn.Module | None = None) -> None:
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(
+                f"ac2_dist.memory.track(model): model must be a torch.nn.Module or None, got "
+                f"{type(model).__name__}; pass the model itself (for several models, track their "
+                "common parent module, or call track() without a model)"
+            )
         self.model = model
         self.graphs: list[Graph] = []
         self._trace: AllocationTrace | None = None
@@ -145,8 +256,21 @@ class Tracker:
                 "cannot run inside another profiler session (it would end yours); track outside "
                 "the profiler, or read memory from your own profile"
             )
-        st.tracker = self
         self._used = True
+        # Note [Tracker start is all or nothing]: from here on every step changes thread
+        # or model state (the thread's tracker, hooks on the model, a profiler session);
+        # if any step fails, _release() undoes the ones done, so a failed start leaves
+        # no dead tracker behind (regions would feed it, and every later track() would
+        # say "already active").
+        st.tracker = self
+        try:
+            self._start()
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    def _start(self) -> None:
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
             self._report.rank, self._report.world_size = dist.get_rank(), dist.get_world_size()
@@ -160,29 +284,33 @@ class Tracker:
             # this step's forward, not the previous step's backward.
             self._hooks.append(self.model.register_forward_pre_hook(self._on_forward, prepend=True))
             self._hooks.append(self.model.register_forward_hook(self._on_forward_end))
-        self._trace = AllocationTrace(device_type=self._report.device, watch=_ALLGATHER_EVENTS)
-        try:
-            self._trace.__enter__()  # fails if another profiler is running
-        except BaseException:
-            self._trace = None
-            st.tracker = None
-            for h in self._hooks:
-                h.remove()
-            self._hooks.clear()
-            raise
+        trace = AllocationTrace(device_type=self._report.device, watch=_ALLGATHER_EVENTS)
+        trace.__enter__()  # fails if another profiler is running
+        self._trace = trace
         if self.model is None:
             self._on_forward()
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def _release(self) -> AllocationTrace | None:
+        """Detach from the thread, the model and the regions' graphs; stop the profiler
+        session if one was started and return its trace (``None`` if none was)."""
         st = _thread_state()
-        st.tracker = None
+        if st.tracker is self:
+            st.tracker = None
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for g in self.graphs:  # a replay after the block must not call back into us
+            if g.tracker is self:
+                g.tracker = None
         trace, self._trace = self._trace, None
-        trace.__exit__(*exc)
-        self._finish(trace)
+        if trace is not None:
+            trace.__exit__(None, None, None)
+        return trace
+
+    def __exit__(self, *exc: Any) -> None:
+        trace = self._release()
+        if trace is not None:
+            self._finish(trace)
 
     # ---- phase marks ----------------------------------------------------------------
     def _on_forward(self, *args: Any) -> None:
@@ -283,14 +411,46 @@ def track(model: nn.Module | None = None) -> Tracker:
 
 
 def gather(report: RankReport) -> list[RankReport] | None:
-    """Collect every rank's report on rank 0 (one collective); ``None`` elsewhere."""
+    """Collect every rank's report on rank 0 (a collective); ``None`` elsewhere.
+
+    Call it on every rank. Without an initialized process group it returns ``[report]``.
+    """
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return [report]
+    dicts = _gather_json(report.to_dict())
+    return None if dicts is None else [RankReport.from_dict(d) for d in dicts]
+
+
+def _gather_json(obj: Any, dst: int = 0) -> list[Any] | None:
+    """Gather a JSON-serializable ``obj`` from every rank onto rank ``dst`` (a collective).
+
+    Returns the decoded objects by rank on ``dst`` and ``None`` elsewhere; without an
+    initialized process group, ``[obj]`` (JSON round-tripped, as on the collective path).
+    """
+    # Note [Gather without numpy]: dist.gather_object pickles into a tensor and reads
+    # it back with tensor.numpy(), which fails with "Numpy is not available" when numpy
+    # is not installed (torch does not depend on it). Here the payload is JSON bytes in
+    # a uint8 tensor (torch.frombuffer / tolist need no numpy): all_gather the sizes,
+    # then gather the bytes padded to the longest (gloo and nccl both support gather).
+    payload = json.dumps(obj).encode()
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return [json.loads(payload)]
     rank, world = dist.get_rank(), dist.get_world_size()
-    out: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object(report.to_dict(), out, dst=0)
-    return [RankReport.from_dict(d) for d in out] if rank == 0 else None
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    lengths = [int(s.item()) for s in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    padded = padded.to(device)
+    out = [torch.empty_like(padded) for _ in range(world)] if rank == dst else None
+    dist.gather(padded, out, dst=dst)
+    if out is None:
+        return None
+    return [json.loads(bytes(t[:n].cpu().tolist())) for t, n in zip(out, lengths)]
 
 
 def save_run(reports: list[RankReport], path: str) -> None:
@@ -300,14 +460,57 @@ def save_run(reports: list[RankReport], path: str) -> None:
 
 
 def load_run(path: str) -> list[RankReport]:
-    """Read a file written by :func:`save_run`; ValueError if it is not one."""
-    with open(path) as f:
-        data = json.load(f)
+    """Read a file written by :func:`save_run`.
+
+    Raises OSError if it cannot be read and ValueError (one line naming the file and
+    what is wrong) if it is not a valid run file. Files that are valid but look
+    inconsistent (duplicate or out-of-range ranks, mixed world sizes, no ranks) load,
+    with a :class:`UserWarning` per problem (see :func:`run_warnings`).
+    """
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, too deep
+        raise ValueError(f"{path} is not JSON ({e}); expected a file written by ac2_dist.memory.save_run") from None
     if not isinstance(data, dict) or not isinstance(data.get("ranks"), list):
-        raise ValueError(f"ac2_dist: {path} is not a run file (expected {{'schema_version', 'ranks': [...]}})")
+        raise ValueError(
+            f"{path} is not a run file: expected an object {{\"schema_version\": {SCHEMA_VERSION}, "
+            f"\"ranks\": [...]}}, got {_describe(data)}"
+        )
     if data.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"ac2_dist: {path} has schema_version {data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
-    return [RankReport.from_dict(d) for d in data["ranks"]]
+        raise ValueError(
+            f"{path} has schema_version {data.get('schema_version')!r}, expected {SCHEMA_VERSION}; "
+            "read it with the ac2_dist version that wrote it"
+        )
+    reports = []
+    for i, entry in enumerate(data["ranks"]):
+        try:
+            reports.append(RankReport.from_dict(entry))
+        except ValueError as e:
+            raise ValueError(f"{path}: ranks[{i}]: {e}") from None
+    for problem in run_warnings(reports):
+        warnings.warn(f"{path}: {problem}", UserWarning, stacklevel=2)
+    return reports
+
+
+def run_warnings(reports: list[RankReport]) -> list[str]:
+    """Inconsistencies in a set of rank reports that still render (one line each):
+    no reports, mixed world sizes, ranks outside ``[0, world_size)``, duplicate ranks."""
+    if not reports:
+        return ["no rank reports"]
+    problems = []
+    sizes = sorted({r.world_size for r in reports})
+    if len(sizes) > 1:
+        problems.append(f"mixed world sizes {sizes} (reports from different jobs?)")
+    outside = sorted({r.rank for r in reports if r.rank >= r.world_size})
+    if outside:
+        problems.append(f"rank(s) {outside} not below world_size ({', '.join(map(str, sizes))})")
+    counts = Counter(r.rank for r in reports)
+    dup = sorted(rank for rank, n in counts.items() if n > 1)
+    if dup:
+        problems.append(f"duplicate rank(s) {dup}")
+    return problems
 
 
 def _human_bytes(n: float) -> str:
@@ -370,11 +573,14 @@ def format_table(reports: list[RankReport] | None) -> str:
     return "\n".join(lines)
 
 
-def plot(reports: list[RankReport], path: str) -> None:
+def plot(reports: list[RankReport], path: str | os.PathLike[str]) -> None:
     """Write a PNG: per-rank bars of saved / recomputed / peak, and a per-module breakdown.
 
-    Needs matplotlib (``pip install 'ac2-dist[plot]'``).
+    Needs matplotlib (``pip install 'ac2-dist[plot]'``). Raises ValueError unless ``path``
+    ends in ``.png``, ImportError without matplotlib, OSError if ``path`` cannot be written.
     """
+    if not os.fspath(path).lower().endswith(".png"):
+        raise ValueError(f"ac2_dist.memory.plot writes PNG files: give a path ending in .png, got {path!r}")
     try:
         import matplotlib
 
@@ -410,7 +616,9 @@ def plot(reports: list[RankReport], path: str) -> None:
         ax2.legend()
     else:
         ax2.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        fig.tight_layout()
+        fig.savefig(path, dpi=100, format="png")
+    finally:
+        plt.close(fig)
 

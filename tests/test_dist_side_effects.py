@@ -58,15 +58,20 @@ def case_funcol_all_reduce(x, w, rank):
     return (h * s).tanh().sum()
 
 
+# torch >= 2.13 renamed the autograd functional collectives (*_tensor_autograd -> *_single_autograd).
+_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+_reduce_scatter = getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
+
+
 def case_funcol_all_gather(x, w, rank):
     h = (x @ w).sin()
-    g = funcol.all_gather_single_autograd(h, 0, _world())
+    g = _all_gather(h, 0, _world())
     return (g.tanh() * g).sum()
 
 
 def case_funcol_reduce_scatter(x, w, rank):
     h = (x @ w).sin()
-    r = funcol.reduce_scatter_single_autograd(h, "sum", 0, _world())
+    r = _reduce_scatter(h, "sum", 0, _world())
     return (r.tanh() * r).sum()
 
 
@@ -94,7 +99,7 @@ def case_legacy_subgroup_all_gather_into_tensor(x, w, rank):
     group = dist.new_group([0, 1])
     h = (x @ w).sin()
     out = torch.empty(2 * h.shape[0], h.shape[1])
-    dist.all_gather_single(out, h.detach(), group=group)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, h.detach(), group=group)
     return (h.repeat(2, 1) * out).tanh().sum()
 
 
@@ -102,7 +107,7 @@ def case_legacy_subgroup_reduce_scatter_single(x, w, rank):
     group = dist.new_group([0, 1])
     h = (x @ w).sin()
     out = torch.empty(h.shape[0] // 2, h.shape[1])
-    dist.reduce_scatter_single(out, h.detach().contiguous(), group=group)
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, h.detach().contiguous(), group=group)
     return (h[: out.shape[0]] * out).tanh().sum()
 
 

@@ -488,3 +488,160 @@ def test_wrapped_module_deepcopy_runs_the_copy():
         for p in fresh.parameters():
             p.add_(1)
     assert torch.equal(clone(tokens), fresh(tokens))
+
+
+def test_higher_order_operator_inside_a_region_is_recorded_and_saved():
+    """Eager flex_attention runs a compiled wrapper that dispatches the flex_attention
+    HOP to the active mode: recorded as one saved call, gradients equal eager."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + (q_idx - kv_idx)
+
+    x = torch.randn(1, 2, 16, 8, requires_grad=True)
+    q = torch.randn(1, 2, 16, 8)  # CPU flex_attention has no backward: constant q/k/v
+    seen = []
+
+    def policy(ctx, op, *args, **kwargs):
+        seen.append(op)
+        return CP.PREFER_RECOMPUTE
+
+    with ac.apply_ac_policy(policy) as region:
+        y = (flex_attention(q, q, q, score_mod=score_mod) * x).tanh().sum()
+    y.backward()
+    xr = x.detach().requires_grad_()
+    (flex_attention(q, q, q, score_mod=score_mod) * xr).tanh().sum().backward()
+    assert torch.equal(x.grad, xr.grad)
+    assert torch.ops.higher_order.flex_attention in seen
+    assert region.stats.saved_nodes >= 1
+
+
+def test_compiled_submodule_inside_an_eager_region():
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+    outer_w = nn.Linear(16, 16)
+    compiled = torch.compile(inner, backend="aot_eager")
+    x = torch.randn(4, 16, requires_grad=True)
+    with ac.apply_ac_policy("recompute_all"):
+        y = outer_w(compiled(x)).tanh().sum()
+    y.backward()
+    got = [x.grad] + [p.grad for p in inner.parameters()] + [p.grad for p in outer_w.parameters()]
+    for t in [x, *inner.parameters(), *outer_w.parameters()]:
+        t.grad = None
+    outer_w(inner(x)).tanh().sum().backward()
+    want = [x.grad] + [p.grad for p in inner.parameters()] + [p.grad for p in outer_w.parameters()]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+# ---- 11: torch.compile -----------------------------------------------------------------
+
+
+def _compile_counters():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    return counters
+
+
+def test_compiled_checkpointed_modules_have_no_graph_break():
+    counters = _compile_counters()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(5)])
+    ref = copy.deepcopy(model)
+    ac.apply_ac(model, "recompute_all", modules=lambda fqn, m: fqn.isdigit())
+    x = torch.randn(4, 16)
+    got = grads_of(model, lambda m: torch.compile(m, backend="aot_eager", fullgraph=True)(x).sum())
+    want = grads_of(ref, lambda m: m(x).sum())
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_function_region_has_no_graph_break():
+    counters = _compile_counters()
+    torch.manual_seed(0)
+    block = MLP()
+    x = torch.randn(4, 32, requires_grad=True)
+
+    def f(x):
+        return ac.apply_ac_policy_fn(block, x.sin(), policy_fn=[aten.mm.default]).cos().sum()
+
+    got = grads_of(block, lambda m: torch.compile(f, backend="aot_eager", fullgraph=True)(x), x)
+    want = grads_of(block, lambda m: m(x.sin()).cos().sum(), x)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_context_manager_region_in_compiled_code_warns_once_and_is_correct():
+    counters = _compile_counters()
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def f(x):
+        x = x.sin()
+        with ac.apply_ac_policy("recompute_all"):
+            y = lin(x).tanh()
+        return y.cos().sum()
+
+    def g(x):
+        with ac.apply_ac_policy("must_save_all"):
+            y = lin(x).relu()
+        return y.sum()
+
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # the filter a user has: a location warns once
+        for fn in (f, g, f):
+            got = grads_of(lin, lambda m, fn=fn: torch.compile(fn, backend="aot_eager")(x), x)
+            want = grads_of(lin, lambda m, fn=fn: fn(x), x)
+            assert_bitwise(got, want)
+    ours = [w for w in caught if "ac2_dist" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert "graph break" in str(ours[0].message) and "apply_ac_policy_fn" in str(ours[0].message)
+    # dynamo never tried to compile ac2's own frames while the block ran eagerly
+    assert not any("_thread" in k or "ac2_dist" in k for k in counters["graph_break"]), dict(counters["graph_break"])
+    assert _nothing_installed()
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"(?s)ac2_dist.*apply_ac_policy_fn"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+    assert _nothing_installed()
+
+
+# ---- the torch version range -------------------------------------------------------------
+
+
+def test_import_on_a_torch_below_the_floor_names_the_version():
+    import subprocess
+    import sys
+
+    code = "import torch; torch.__version__ = '2.9.1+cu128'; import ac2_dist"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (
+        "ImportError: ac2_dist needs torch >= 2.10, but torch 2.9.1+cu128 is installed; "
+        "upgrade it (pip install 'torch>=2.10')"
+    ), proc.stderr[-2000:]
+
+
+def test_declared_floor_is_the_checked_floor():
+    import os
+    import re
+
+    from ac2_dist._compat import TORCH_FLOOR, check_torch
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml")) as f:
+        declared = re.search(r'"torch>=([0-9.]+)"', f.read()).group(1)
+    assert tuple(int(p) for p in declared.split(".")) == TORCH_FLOOR
+    for ok in ("2.10.0", "2.10.0+cu128", "2.13.0+cpu", "2.15.0", "3.0.0a0+git1234"):
+        check_torch(ok)
+    for old in ("2.9.1", "1.13.1+cu117", "garbage"):
+        with pytest.raises(ImportError, match="needs torch >= 2.10"):
+            check_torch(old)

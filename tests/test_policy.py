@@ -59,9 +59,11 @@ def test_save_list_policy_accepts_overloads_and_packets():
 
 @pytest.mark.parametrize(
     ("policy", "replayed"),
-    [(True, 0), (False, 1), (CP.MUST_SAVE, 0), (CP.PREFER_RECOMPUTE, 1), (CP.MUST_CPU_OFFLOAD, 0)],
+    [(True, 0), (False, 1), (CP.MUST_SAVE, 0), (CP.PREFER_RECOMPUTE, 1), ("MUST_CPU_OFFLOAD", 0)],
 )
 def test_constant_region_policies(policy, replayed):
+    if isinstance(policy, str):
+        policy = _offload(policy)
     counter = _backward_ops(policy)
     assert counter["aten.sin"] == replayed and counter["aten.tanh"] == replayed
 
@@ -208,8 +210,16 @@ def test_save_with_hooks_policy_and_tag():
         ac.SAVE_WITH_HOOKS(pack, None)
 
 
-@pytest.mark.parametrize("policy", [CP.MUST_CPU_OFFLOAD, CP.PREFER_CPU_OFFLOAD])
-def test_cpu_offload_policies_are_saves(policy):
+def _offload(name):
+    """A CPU-offload member of CheckpointPolicy (torch >= 2.11; Note [Supported torch versions])."""
+    if not hasattr(CP, name):
+        pytest.skip(f"CheckpointPolicy.{name} does not exist in torch {torch.__version__}")
+    return getattr(CP, name)
+
+
+@pytest.mark.parametrize("name", ["MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"])
+def test_cpu_offload_policies_are_saves(name):
+    policy = _offload(name)
     counter = _backward_ops(lambda ctx, op, *a, **k: policy if op is aten.sin.default else CP.PREFER_RECOMPUTE)
     assert counter["aten.sin"] == 0 and counter["aten.tanh"] == 1
 
