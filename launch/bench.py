@@ -22,14 +22,21 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_core import backward_flops  # noqa: E402
 from models import Llama  # noqa: E402
-from train import AC_MODES, apply_checkpointing, batches, corpus, init_distributed  # noqa: E402
+from train import (  # noqa: E402
+    AC_MODES,
+    apply_checkpointing,
+    batches,
+    corpus,
+    init_distributed,
+    shutdown_distributed,
+)
 
 import ac2_dist as ac  # noqa: E402
 
@@ -149,37 +156,46 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="bench-out")
     p.add_argument("--png", action="store_true", help="also write bench.png (ac2 modes' reports)")
     args = p.parse_args(argv)
-    modes = args.modes.split(",")
     device = init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    clean, mesh = False, None
     try:
-        mesh = init_device_mesh(device.type, (world,))
-        data = batches(corpus(), args.batch, args.seq, args.seed, rank)
-        mine = {"rank": rank, "device": device.type, "modes": {}}
-        for mode in modes:
-            mine["modes"][mode] = _measure_mode(args, mode, mesh, device, data)
-            if rank == 0:
-                r = mine["modes"][mode]
-                print(f"{mode:<11} step {r['step_seconds_median']:.3f}s  peak bwd "
-                      f"{r['peak_bytes_backward'] / 2**20:.1f} MiB  bwd {r['backward_flops'] / 1e9:.2f} GFLOP", flush=True)
-        gathered = [None] * world if rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        if rank == 0:
-            os.makedirs(args.out, exist_ok=True)
-            table = _markdown(gathered, modes, args)
-            with open(os.path.join(args.out, "bench.json"), "w") as f:
-                json.dump({"config": vars(args), "ranks": gathered}, f, indent=1)
-            with open(os.path.join(args.out, "bench.md"), "w") as f:
-                f.write(table + "\n")
-            print(table)
-            if args.png:
-                for mode in modes:
-                    if mode.startswith("ac2"):
-                        reports = [ac.memory.RankReport.from_dict(g["modes"][mode]["report"]) for g in gathered]
-                        ac.memory.plot(reports, os.path.join(args.out, f"bench-{mode}.png"))
-            print(f"wrote {args.out}/bench.json and bench.md")
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        bench(args, device, mesh)
+        clean = True
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed(clean, mesh)  # Note [Shutdown order] in train.py
+
+
+def bench(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> None:
+    """Measure every mode on this rank; rank 0 writes and prints the results.
+
+    The models (they reference the process group) live in this call only.
+    """
+    modes = args.modes.split(",")
+    rank = dist.get_rank()
+    data = batches(corpus(), args.batch, args.seq, args.seed, rank)
+    mine = {"rank": rank, "device": device.type, "modes": {}}
+    for mode in modes:
+        mine["modes"][mode] = _measure_mode(args, mode, mesh, device, data)
+        if rank == 0:
+            r = mine["modes"][mode]
+            print(f"{mode:<11} step {r['step_seconds_median']:.3f}s  peak bwd "
+                  f"{r['peak_bytes_backward'] / 2**20:.1f} MiB  bwd {r['backward_flops'] / 1e9:.2f} GFLOP", flush=True)
+    gathered = ac.memory._gather_json(mine)  # JSON over the group: needs no numpy
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        table = _markdown(gathered, modes, args)
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump({"config": vars(args), "ranks": gathered}, f, indent=1)
+        with open(os.path.join(args.out, "bench.md"), "w") as f:
+            f.write(table + "\n")
+        print(table)
+        if args.png:
+            for mode in modes:
+                if mode.startswith("ac2"):
+                    reports = [ac.memory.RankReport.from_dict(g["modes"][mode]["report"]) for g in gathered]
+                    ac.memory.plot(reports, os.path.join(args.out, f"bench-{mode}.png"))
+        print(f"wrote {args.out}/bench.json and bench.md")
 
 
 if __name__ == "__main__":

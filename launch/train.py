@@ -12,7 +12,9 @@ tokens/s, step time), then the per-rank memory report of the last step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import gc
 import os
 import sys
 import time
@@ -20,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
@@ -108,65 +110,108 @@ def init_distributed() -> torch.device:
     return torch.device("cpu")
 
 
+def shutdown_distributed(clean: bool, mesh: DeviceMesh | None = None) -> None:
+    """Tear the process group down, after the code that used it has returned.
+
+    ``clean``: every rank got here without an error; then the ranks first meet in a
+    barrier and the group is released for real (``mesh``: the job's device mesh), so
+    that its threads are joined before the interpreter exits.
+    """
+    # Note [Shutdown order]: a gloo worker thread can still hold a finished collective's
+    # work, and with it the last reference to the tensors it read or wrote, after the
+    # main thread has moved on. If the thread lets go of it just as the interpreter
+    # starts finalizing, releasing those tensors' Python objects needs the GIL, and a
+    # thread that asks for the GIL then is ended by pthread_exit inside a C++
+    # destructor: "terminate called without an active exception" (SIGABRT) at exit,
+    # rarely, under load (torch checks Py_IsInitialized() before taking the GIL, but
+    # finalization can start between the check and the GIL). destroy_process_group()
+    # does not stop those threads while anything still references the group: the
+    # model's FSDP state, and the device mesh, which torch's DTensor sharding caches
+    # keep alive for the life of the process. So: a barrier (no collective in flight on
+    # any rank), destroy the group, detach it from the mesh, and collect the model
+    # (the training function has returned; gc.collect() frees reference cycles): the
+    # group's destructor joins its threads while the interpreter is fully alive.
+    # After an error only destroy_process_group(): a barrier or a join could wait for
+    # a rank that is gone.
+    if clean:
+        dist.barrier()
+    dist.destroy_process_group()
+    if clean:
+        if mesh is not None:
+            getattr(mesh, "_pg_registry", {}).clear()  # torch >= 2.12 keeps the groups here
+        gc.collect()
+
+
 def main(argv: list[str] | None = None) -> float:
+    """Run the job under torchrun; returns the last step's mean loss."""
     args = parse_args(argv)
     device = init_distributed()
+    clean, mesh = False, None
+    try:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        last = train(args, device, mesh)
+        clean = True
+    finally:
+        shutdown_distributed(clean, mesh)
+    return last
+
+
+def train(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> float:
+    """Train, print the steps and rank 0's memory report; the last step's mean loss.
+
+    The model, optimizer and tracker (all reference the process group) live in this
+    function's frame only (Note [Shutdown order]).
+    """
     use_cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        torch.manual_seed(args.seed)  # identical initial weights on every rank
-        model = Llama(vocab=256, dim=args.dim, layers=args.layers, heads=args.heads, max_seq=args.seq).to(device)
-        apply_checkpointing(model, args.ac)
-        mesh = init_device_mesh(device.type, (world,))
-        for block in model.layers:
-            fully_shard(block, mesh=mesh, reshard_after_forward=args.reshard)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        data = batches(corpus(), args.batch, args.seq, args.seed, rank)
-        if rank == 0:
-            n_params = sum(p.numel() for p in model.parameters())
-            print(f"train.py: {world} ranks ({device.type}), Llama {args.layers}x{args.dim}, "
-                  f"{n_params / 1e6:.2f}M params, seq {args.seq}, batch {args.batch}/rank, --ac {args.ac}",
-                  flush=True)
-        first = last = float("nan")
-        report = None
-        for step in range(1, args.steps + 1):
-            x, y = (t.to(device) for t in next(data))
-            tracker = ac.memory.track(model) if step == args.steps else None
-            t0 = time.perf_counter()
-            if tracker is not None:
-                tracker.__enter__()
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    model = Llama(vocab=256, dim=args.dim, layers=args.layers, heads=args.heads, max_seq=args.seq).to(device)
+    apply_checkpointing(model, args.ac)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=args.reshard)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    data = batches(corpus(), args.batch, args.seq, args.seed, rank)
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"train.py: {world} ranks ({device.type}), Llama {args.layers}x{args.dim}, "
+              f"{n_params / 1e6:.2f}M params, seq {args.seq}, batch {args.batch}/rank, --ac {args.ac}",
+              flush=True)
+    first = last = float("nan")
+    report = None
+    for step in range(1, args.steps + 1):
+        x, y = (t.to(device) for t in next(data))
+        t0 = time.perf_counter()
+        # A with-block: the tracker's profiler session ends even if the step fails.
+        with (ac.memory.track(model) if step == args.steps else contextlib.nullcontext()) as tracker:
             logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
             loss.backward()
-            if tracker is not None:
-                tracker.__exit__(None, None, None)
-                report = tracker.report()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            value = loss.detach().clone()
-            dist.all_reduce(value)
-            value = value.item() / world
-            if use_cuda:
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            first = value if step == 1 else first
-            last = value
-            if rank == 0:
-                tok_s = args.batch * args.seq * world / dt
-                print(f"step {step:3d}/{args.steps}  loss {value:.4f}  {tok_s:8.0f} tok/s  {dt * 1e3:7.1f} ms",
-                      flush=True)
-        reports = ac.memory.gather(report)
+        if tracker is not None:
+            report = tracker.report()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        value = value.item() / world
+        if use_cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        first = value if step == 1 else first
+        last = value
         if rank == 0:
-            print(f"loss {first:.4f} -> {last:.4f}")
-            print(f"per-rank memory report (step {args.steps}, --ac {args.ac}):")
-            print(ac.memory.format_table(reports))
-            if args.report_json:
-                ac.memory.save_run(reports, args.report_json)
-                print(f"wrote {args.report_json}")
-        return last
-    finally:
-        dist.destroy_process_group()
+            tok_s = args.batch * args.seq * world / dt
+            print(f"step {step:3d}/{args.steps}  loss {value:.4f}  {tok_s:8.0f} tok/s  {dt * 1e3:7.1f} ms",
+                  flush=True)
+    reports = ac.memory.gather(report)
+    if rank == 0:
+        print(f"loss {first:.4f} -> {last:.4f}")
+        print(f"per-rank memory report (step {args.steps}, --ac {args.ac}):")
+        print(ac.memory.format_table(reports))
+        if args.report_json:
+            ac.memory.save_run(reports, args.report_json)
+            print(f"wrote {args.report_json}")
+    return last
 
 
 if __name__ == "__main__":
