@@ -28,6 +28,43 @@ Note [Epochs: retain_graph=True]
     twice within one task (a custom Function reading ``saved_tensors`` twice) is armed
     once more for that read only.
 
+Note [Replaying writes to fresh tensors]
+    An op that writes a tensor created inside the region by a recomputable op, whose
+    current value nothing saved (a buffer filled by ``bernoulli_``, ``out.add_(bias)``
+    on a matmul result, ``relu_`` on a fresh value), is itself recomputable: the
+    tracer records it with its written input as an ordinary input (``Node.writes``
+    lists the positions). Its replay writes into the value its producer's replay
+    made, after cloning it if someone else still needs the value from before the
+    write (a pending use or a saved reference), so consumers of either version see
+    what they saw in forward. Writes to anything else -- region inputs, parameters,
+    buffers, saved values, tensors a view was taken of, views -- stay side effects.
+
+Note [Nested modules cut the replay]
+    The outputs of a checkpointed module called inside another region (nested
+    ``apply_ac``/``wrap``) are *cut* nodes. Arming stops at a cut node as at a saved
+    value, and a cut node gets its value only when a consumer needs it, from a
+    private replay of its module (:meth:`Graph._fill_cut`): the module's internal
+    values computed on the way are dropped, only the cut outputs are kept (cached
+    with their pending uses). Backward of an outer region therefore holds the chain
+    of nested module outputs plus one module's internals, as torch's nested
+    checkpoint does, instead of every internal value of the outer region. The price
+    is torch's too: a nested module's ops run twice in backward (once for its output,
+    once for its own backward).
+
+Note [One generator state per region]
+    With ``rng="replay"`` the tracer stashes a generator's state once, before the
+    region's first random op on it, and links the following random ops on that
+    generator into an :class:`RngChain` (a CPU generator state is 5 KB: one per op
+    would keep more than torch's one per checkpoint). A random op's replay needs the
+    state right before it in forward, so the chain replays in forward order: to run
+    op k it first runs ops ``cursor .. k-1`` -- the ones backward needs through the
+    normal path (their values are cached for their consumers), the others privately
+    for their effect on the generator only -- and keeps the state after each op as
+    the new frontier. Backward needs a region's last random op first, so in practice
+    the first replay regenerates the region's masks in order, as torch's recompute
+    does. A random op the region saves (or runs unrecorded under inference mode)
+    ends the chain; the next one starts a new chain with a fresh stash.
+
 Note [Saved values are version-checked references]
     Saved values (region inputs, policy saves, side-effect outputs) are held by
     reference, not copied. The tensor's ``_version`` (shared by all its views) is
@@ -219,6 +256,9 @@ class Node:
         "must_recompute",
         "fsdp_unit",
         "read_by_replay",
+        "viewed",
+        "writes",
+        "cut",
         "__weakref__",
     )
 
@@ -234,11 +274,19 @@ class Node:
         self.values: list[Any] | None = None
         self.pending = [0] * nout
         self.scheduled = False
-        self.rng: tuple[torch.Generator, torch.Tensor] | None = None
+        # (index of its chain in Graph.rng_chains, position in the chain): ints, not the
+        # chain itself, which holds its nodes (no reference cycle: Note [One generator
+        # state per region]).
+        self.rng: tuple[int, int] | None = None
         self.fqn = fqn
         self.must_recompute = False  # the policy said MUST_RECOMPUTE: never made a boundary
         self.fsdp_unit: weakref.ref | None = None  # leaf = unsharded param of this FSDP unit
         self.read_by_replay = False  # some recomputable node takes one of its outputs
+        self.viewed = False  # a view of one of its outputs was recorded
+        # Input positions this (recomputable) op writes in place (Note [Replaying writes
+        # to fresh tensors]); () for ops that write nothing.
+        self.writes: tuple = ()
+        self.cut = False  # output of a nested checkpointed module (Note [Nested modules cut the replay])
 
     def __repr__(self) -> str:
         return f"Node({self.op or 'input'}, seq={self.seq})"
@@ -256,6 +304,24 @@ class Node:
     @property
     def name(self) -> str:
         return "region input" if self.op is None else f"output of {self.op}"
+
+
+class RngChain:
+    """The random ops of a region on one generator, replayed in forward order
+    (Note [One generator state per region])."""
+
+    __slots__ = ("generator", "index", "start", "state", "cursor", "nodes")
+
+    def __init__(self, generator: torch.Generator, index: int) -> None:
+        self.generator = generator
+        self.index = index  # in Graph.rng_chains
+        self.start = generator.get_state()  # before the chain's first op, in forward
+        self.state = self.start  # before nodes[cursor], during backward
+        self.cursor = 0
+        self.nodes: list[Node] = []
+
+    def rewind(self) -> None:
+        self.state, self.cursor = self.start, 0
 
 
 def flatten_outputs(out: Any) -> list[Any]:
@@ -348,6 +414,10 @@ def _handle_seq(h: Handle) -> int:
     return h.seq
 
 
+def _node_seq(n: Node) -> int:
+    return n.seq
+
+
 @skip_dynamo
 def unpack_handle(handle: Handle) -> Any:
     """The saved-tensor unpack hook of every region (the pack hook is ``Graph.pack``)."""
@@ -370,6 +440,9 @@ class Graph:
         self.create_graph = False  # set by the executor around each realize
         self.frames = frames  # the policy frames of the thread that records (forward)
         self.tracker: Any = None  # an active ac2_dist.memory.Tracker, if any
+        self.save_unit_outputs = True  # Note [FSDP units are region boundaries] (fsdp.py)
+        self.rng_chains: list[RngChain] = []  # every chain (rewound at a new epoch)
+        self.open_chains: dict[int, RngChain] = {}  # id(generator) -> chain open in forward
         # Set by module wrappers that prefetch (Note [Prefetching the next unit's replay]):
         self.prev: list[weakref.ref] = []  # graphs of the units that produced this one's inputs
         self.fqn = ""
@@ -377,6 +450,14 @@ class Graph:
         self._parked: dict[int, int] = {}  # id(prefetched value) -> handles holding it
 
     # ---- forward side -------------------------------------------------------------
+    def rng_chain(self, generator: torch.Generator) -> RngChain:
+        """The chain the next random op on ``generator`` joins (forward)."""
+        chain = self.open_chains.get(id(generator))
+        if chain is None or chain.generator is not generator:
+            chain = self.open_chains[id(generator)] = RngChain(generator, len(self.rng_chains))
+            self.rng_chains.append(chain)
+        return chain
+
     def new_node(self, op: Any, nout: int, fqn: str = "") -> Node:
         self.seq += 1
         self.stats.nodes += 1
@@ -430,6 +511,22 @@ class Graph:
             return
         self._save_in_place(node, idx, t, _CP.MUST_SAVE, "boundary", False)
 
+    def cut(self, t: torch.Tensor) -> None:
+        """Make ``t``'s node a cut node (Note [Nested modules cut the replay])."""
+        e = self.map.get(t)
+        if e is None or (e[3] is not None and e[3] != t._version):
+            return
+        node = e[1]
+        if node.op is None or node.cut or node.values is not None:
+            return
+        if node.saved is not None and all(x is not None for x in node.saved):
+            return
+        if node.scheduled:  # armed as a replay already: its value now comes from _fill_cut
+            node.scheduled = False
+            for _, m, j in node.inputs:
+                self._disarm(m, j)
+        node.cut = True
+
     def mark_fsdp_params(self, params: list[torch.Tensor], unit: Any) -> None:
         """Leaves that are ``unit``'s unsharded parameters unshard it before use."""
         ref = None
@@ -468,7 +565,8 @@ class Graph:
                 continue
             n.pending[i] -= 1
             if (
-                n.scheduled
+                not n.cut
+                and n.scheduled
                 and n.values is None
                 and not any(p > 0 and (n.saved is None or n.saved[k] is None) for k, p in enumerate(n.pending))
             ):
@@ -496,7 +594,7 @@ class Graph:
             n, i = stack.pop()
             if n.saved is not None and n.saved[i] is not None:
                 continue
-            if not (n.values is not None and n.values[i] is not None) and not n.scheduled:
+            if not n.cut and not (n.values is not None and n.values[i] is not None) and not n.scheduled:
                 n.scheduled = True
                 stack.extend((m, j) for _, m, j in n.inputs)
             n.pending[i] += 1
@@ -504,20 +602,7 @@ class Graph:
     def take(self, node: Node, idx: int) -> Any:
         """Hand ``node[idx]`` to one consumer; drop the cached value at its last use."""
         if node.saved is not None and node.saved[idx] is not None:
-            s = node.saved[idx]
-            if node.fsdp_unit is not None:
-                triggered = ensure_unsharded(node.fsdp_unit)
-                if self.log is not None:
-                    unit = node.fsdp_unit()
-                    self.log("unshard" if triggered else "unsharded", _wrapped_fqn(unit, self.fqn))
-            if self.create_graph and s.detached:
-                raise RuntimeError(
-                    f"ac2_dist: backward with create_graph=True needs the saved {s.owner} with "
-                    "its autograd history, but ac2_dist keeps saved activations detached. "
-                    "Use policy 'recompute_all' (and rng='replay' for random ops) for a region "
-                    "you differentiate twice, so every value is recomputed from the region inputs."
-                )
-            return s.get()
+            return self._saved_value(node, idx)
         values = node.values
         v = values[idx]
         node.pending[idx] -= 1
@@ -530,20 +615,104 @@ class Graph:
                 node.values = None
         return v
 
+    def _saved_value(self, node: Node, idx: int) -> Any:
+        """A saved value for a replay or an unpack (unsharding its FSDP unit first)."""
+        s = node.saved[idx]
+        if node.fsdp_unit is not None:
+            triggered = ensure_unsharded(node.fsdp_unit)
+            if self.log is not None:
+                unit = node.fsdp_unit()
+                self.log("unshard" if triggered else "unsharded", _wrapped_fqn(unit, self.fqn))
+        if self.create_graph and s.detached:
+            raise RuntimeError(
+                f"ac2_dist: backward with create_graph=True needs the saved {s.owner} with "
+                "its autograd history, but ac2_dist keeps saved activations detached. "
+                "Use policy 'recompute_all' (and rng='replay' for random ops) for a region "
+                "you differentiate twice, so every value is recomputed from the region inputs."
+            )
+        return s.get()
+
     def realize(self, node: Node, idx: int) -> Any:
         """Value of ``node[idx]``, replaying what is missing from the nearest saved values."""
         if not node.has_value(idx):
-            todo = {node}
-            stack = [node]
-            while stack:
-                n = stack.pop()
-                for _, m, j in n.inputs:
-                    if m not in todo and not m.has_value(j):
-                        todo.add(m)
-                        stack.append(m)
-            for n in sorted(todo, key=lambda n: n.seq):
-                self._run(n)
+            if node.cut:
+                self._fill_cut(node)
+            else:
+                for n in self._missing(node):
+                    if n.cut:
+                        self._fill_cut(n)
+                    else:
+                        self._run(n)
         return self.take(node, idx)
+
+    @staticmethod
+    def _missing(node: Node) -> list[Node]:
+        """Nodes to run (or cut nodes to fill) for ``node``'s outputs, in program order;
+        the walk stops at values that exist and at cut nodes."""
+        todo = {node}
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            for _, m, j in n.inputs:
+                if m not in todo and not m.has_value(j):
+                    todo.add(m)
+                    if not m.cut:
+                        stack.append(m)
+        return sorted(todo, key=_node_seq)
+
+    def _fill_cut(self, cut: Node) -> None:
+        """Compute a cut node's outputs by a private replay of what it depends on
+        (Note [Nested modules cut the replay]); cache the outputs someone waits for."""
+        self._keep(cut, self._private(cut))
+
+    def _private(self, node: Node) -> list[Any]:
+        """``node``'s outputs from a replay that takes no pending use and caches
+        nothing but the cut nodes it meets (those are armed: their consumers wait).
+
+        Its own intermediates are use-counted within the replay: each is dropped as
+        soon as the last node of the replay that reads it has run, so a private replay
+        holds its live frontier, not every value it computed.
+        """
+        order = self._missing(node)
+        order.remove(node)
+        local: dict[Node, list] = {}
+        uses: dict[tuple[Node, int], int] = {}
+        runs = [n for n in order if not n.cut]
+        runs.append(node)
+        members = set(runs)
+        for n in runs:
+            for _, m, j in n.inputs:
+                if m in members:
+                    uses[m, j] = uses.get((m, j), 0) + 1
+
+        def value_of(m: Node, j: int) -> tuple[Any, bool]:
+            values = local.get(m)
+            if values is None:  # a saved or cached value of the graph: others use it too
+                return self._peek(m, j), True
+            v = values[j]
+            left = uses[m, j] - 1
+            uses[m, j] = left
+            if left == 0:
+                values[j] = None
+            return v, left > 0
+
+        for n in order:
+            if n.cut:
+                self._fill_cut(n)
+            else:
+                local[n] = self._execute(n, value_of)
+        return self._execute(node, value_of)
+
+    def _peek(self, node: Node, idx: int) -> Any:
+        """``node[idx]`` for a private replay: no pending use is taken (it has none)."""
+        if node.saved is not None and node.saved[idx] is not None:
+            return self._saved_value(node, idx)
+        return node.values[idx]
+
+    def _take_shared(self, node: Node, idx: int) -> tuple[Any, bool]:
+        """``take`` for a replay: the value and whether anyone else still holds it."""
+        v = self.take(node, idx)
+        return v, node.has_value(idx)
 
     def _run(self, node: Node) -> None:
         if node.op is None or node.saved is not None and all(s is not None for s in node.saved):
@@ -551,14 +720,27 @@ class Graph:
         if not node.scheduled:  # defensive: keep take() balanced
             for _, m, j in node.inputs:
                 self.arm(m, j)
+        node.scheduled = False
+        self._keep(node, self._execute(node, self._take_shared))
+
+    def _execute(self, node: Node, value_of: Any) -> list[Any]:
+        """Run ``node``; flat outputs. ``value_of(producer, idx)`` gives each input and
+        whether someone else still needs that value (then a write to it goes to a copy)."""
         if node.lists:
             args = [list(a) if type(a) is list else a for a in node.args]
             kwargs = {k: list(v) if type(v) is list else v for k, v in node.kwargs.items()}
         else:
             args = list(node.args)
             kwargs = dict(node.kwargs) if node.kwargs else {}
+        writes = node.writes
+        cloned = 0
         for pos, m, j in node.inputs:
-            v = self.take(m, j)
+            v, shared = value_of(m, j)
+            if writes and shared and pos in writes:
+                # Someone else still needs the value from before the write (Note
+                # [Replaying writes to fresh tensors]).
+                v = v.clone()
+                cloned += tensor_nbytes(v)
             if type(pos) is int:
                 args[pos] = v
             elif type(pos) is str:
@@ -566,27 +748,55 @@ class Graph:
             else:
                 p, k = pos
                 (args if type(p) is int else kwargs)[p][k] = v
-        node.scheduled = False
-        flat = flatten_outputs(self.executor.run(node, args, kwargs))
+        chain = None
+        if node.rng is not None:
+            chain = self.rng_chains[node.rng[0]]
+            self._advance(chain, node.rng[1])
+        flat = flatten_outputs(self.executor.run(node, args, kwargs, chain))
         stats = self.stats
         stats.recomputed_ops += 1
-        pending = node.pending
         allocated = 0
-        for i, v in enumerate(flat):
-            if isinstance(v, torch.Tensor):
-                nbytes = tensor_nbytes(v)
-                if not v._is_view():  # views allocate nothing
-                    allocated += nbytes
-                if pending[i] > 0 and (node.saved is None or node.saved[i] is None):
-                    stats.cached_bytes += nbytes
-                else:
-                    flat[i] = None
+        for v in flat:
+            if isinstance(v, torch.Tensor) and not v._is_view():  # views allocate nothing
+                allocated += tensor_nbytes(v)
+        if writes:  # written in place: the bytes were counted for the producer (or the clone)
+            allocated = cloned
         stats.recomputed_bytes += allocated
-        stats.peak_cached_bytes = max(stats.peak_cached_bytes, stats.cached_bytes)
-        node.values = flat
         if self.tracker is not None:
             by_module = stats.recomputed_by_module
             by_module[node.fqn] = by_module.get(node.fqn, 0) + allocated
+        return flat
+
+    def _advance(self, chain: RngChain, k: int) -> None:
+        """Bring ``chain`` to the state right before its ``k``-th op (Note [One
+        generator state per region])."""
+        if chain.cursor > k:
+            chain.rewind()
+        while chain.cursor < k:
+            i = chain.cursor
+            j = chain.nodes[i]
+            if j.scheduled and j.values is None:
+                for n in self._missing(j):  # needed by backward: the normal path
+                    if n.cut:
+                        self._fill_cut(n)
+                    else:
+                        self._run(n)
+            else:
+                self._private(j)  # for its effect on the generator only
+            if chain.cursor <= i:
+                raise RuntimeError(f"ac2_dist internal error: the RNG chain did not advance past {j.name}")
+
+    def _keep(self, node: Node, flat: list[Any]) -> None:
+        """Cache the outputs of a replayed node that consumers wait for."""
+        stats = self.stats
+        pending = node.pending
+        for i, v in enumerate(flat):
+            if isinstance(v, torch.Tensor) and pending[i] > 0 and (node.saved is None or node.saved[i] is None):
+                stats.cached_bytes += tensor_nbytes(v)
+            else:
+                flat[i] = None
+        stats.peak_cached_bytes = max(stats.peak_cached_bytes, stats.cached_bytes)
+        node.values = flat
 
     def unpack(self, h: Handle) -> Any:
         if self.tracker is not None:
@@ -664,6 +874,8 @@ class Graph:
         gets its pending use back (parked prefetched values are still valid: kept)."""
         self.epoch += 1
         self.stats.backward_epochs += 1
+        for chain in self.rng_chains:
+            chain.rewind()
         for h in self.live_handles():
             if h.consumed_task is not None and h.consumed_task != task and h.prefetched is None:
                 h.consumed_task = None

@@ -87,6 +87,12 @@ class _CheckpointedForward:
                 _thread_state().graph.mark_fsdp_params(unsharded_params(module), module)
         if region.graph is not None:
             _link_for_prefetch(region.graph, self.config, self.frame.module_fqn, args, kwargs, out)
+        else:
+            graph = _thread_state().graph
+            if graph is not None and graph.map is not None:  # nested in a recording region
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        graph.cut(t)  # Note [Nested modules cut the replay] (_graph.py)
         return out
 
     def __deepcopy__(self, memo: dict) -> _CheckpointedForward:

@@ -148,6 +148,7 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
             policy, rng=rng, allow_mutation=allow_cache_entry_mutation, module_fqn=module_fqn
         )
         self._replay = check_replay(replay)
+        self._module_region = False  # a checkpointed module's region (Note [FSDP units are region boundaries])
         self.stats: GraphStats | None = None
         self.graph: Graph | None = None  # the graph of the last outermost use that recorded
 
@@ -157,6 +158,7 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
         self = cls.__new__(cls)
         self._frame = frame
         self._replay = replay
+        self._module_region = True
         self.stats = None
         self.graph = None
         return self
@@ -185,6 +187,7 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
     def _install(self, st: _ThreadState) -> _Install:
         on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         graph = Graph(self._replay.executor(_thread_state, on_cuda), st.frames)
+        graph.save_unit_outputs = not self._module_region
         if st.tracker is not None:
             graph.tracker = st.tracker
             st.tracker._add_graph(graph)
@@ -257,16 +260,17 @@ def _unit_boundary(module: torch.nn.Module, args: Any, output: Any) -> None:
     """Global forward hook while a region is active (process-wide, filtered by thread).
 
     Runs after an FSDP unit's forward and before FSDP's own post-forward reshards it:
-    marks the unit's unsharded parameters and saves the unit's outputs (Note [FSDP
-    units are region boundaries] in fsdp.py).
+    marks the unit's unsharded parameters and, in a bare region, saves the unit's
+    outputs (Note [FSDP units are region boundaries] in fsdp.py).
     """
     graph = _thread_state().graph
     if graph is None or graph.map is None or not is_fsdp_unit(module):
         return
     graph.mark_fsdp_params(unsharded_params(module), module)
-    for t in torch.utils._pytree.tree_leaves(output):
-        if isinstance(t, torch.Tensor):
-            graph.boundary(t)
+    if graph.save_unit_outputs:
+        for t in torch.utils._pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor):
+                graph.boundary(t)
 
 
 def apply_ac_policy_fn(

@@ -75,6 +75,7 @@ _Tensor = torch.Tensor
 _inference_mode = torch.is_inference_mode_enabled
 _compiling = torch.compiler.is_compiling
 _NONE = SideEffect.NONE
+_MUTATION = SideEffect.MUTATION
 _COMMUNICATING = (SideEffect.COLLECTIVE, SideEffect.FSDP, SideEffect.REGISTERED)
 # What an op may return without being opaque (anything else, e.g. a Work handle, is).
 _KNOWN_RESULTS = (
@@ -156,8 +157,11 @@ class Tracer(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         state = self.state
-        if state.replaying or _compiling() or _inference_mode():
-            # Note [Dynamo inside a region], Note [What inference mode records]
+        if state.replaying or _compiling():  # Note [Dynamo inside a region]
+            return func(*args, **kwargs)
+        if _inference_mode():  # Note [What inference mode records]
+            if (_INFO.get(func) or op_info(func)).is_rng:
+                self.graph.open_chains.clear()  # an unrecorded draw: chains restart after it
             return func(*args, **kwargs)
         info = _INFO.get(func) or op_info(func)
         if info.higher_order:
@@ -167,11 +171,18 @@ class Tracer(TorchDispatchMode):
 
         rng = None
         writes = info.written and info.writes(args)
-        written = self._before_writes(info, args, kwargs) if writes else None
+        fresh = False
+        written = None
+        if writes:
+            written = self._before_writes(info, args, kwargs)
+            fresh = (
+                info.declared_writes and info.side_effect is _MUTATION and not info.has_tensor_lists
+                and self._fresh(written)
+            )
         random = info.is_rng and info.is_random(args, kwargs)
-        if random and inner.rng == "replay" and not writes:
+        if random and inner.rng == "replay" and (fresh or not writes):
             gen = info.generator(args, kwargs) or default_generator(_rng_device(args, kwargs))
-            rng = (gen, gen.get_state())
+            rng = self.graph.rng_chain(gen)  # Note [One generator state per region] (_graph.py)
 
         hidden = None
         if types:  # a tensor subclass will dispatch further (Note [Subclasses hide collectives])
@@ -200,12 +211,12 @@ class Tracer(TorchDispatchMode):
 
         single = isinstance(out, _Tensor)
         flat = (out,) if single else flatten_outputs(out)
-        side = info.side_effect
+        side = _NONE if fresh else info.side_effect
         reason = "policy"
         if side is _NONE:
             if hidden is not None:
                 side = SideEffect.COLLECTIVE
-            elif writes:
+            elif writes and not fresh:
                 side = SideEffect.MUTATION
             elif random and rng is None:
                 side = SideEffect.RNG
@@ -237,9 +248,19 @@ class Tracer(TorchDispatchMode):
             view_version = version_of(src)
         if not save:
             node = self._recomputable(graph, func, info, args, kwargs, len(flat), inner)
-            node.rng = rng
+            if rng is not None:
+                node.rng = (rng.index, len(rng.nodes))
+                rng.nodes.append(node)
             node.must_recompute = decision is _CP.MUST_RECOMPUTE
+            if fresh:  # Note [Replaying writes to fresh tensors] (_graph.py)
+                node.writes = info.written
         else:
+            if random:  # a saved random op ends its generator's chain
+                graph.open_chains.clear()
+            if src is not None:
+                e = gmap.get(src)
+                if e is not None:
+                    e[1].viewed = True
             node = graph.new_node(func, len(flat), inner.module_fqn)
             graph.stats.saved_nodes += 1
             keep_base = not info.returns_alias
@@ -264,7 +285,7 @@ class Tracer(TorchDispatchMode):
                 else:
                     gmap.set(o, node, i, o._version + bump if bump and id(o) in written else o._version)
 
-        if writes:
+        if writes and not fresh:
             returned = {id(o) for o in flat if isinstance(o, _Tensor)}
             owner = f"tensor written by {func}"
             for t in written.values():
@@ -327,6 +348,19 @@ class Tracer(TorchDispatchMode):
         self._snapshot_read(written.values())
         return written
 
+    def _fresh(self, written: dict[int, torch.Tensor]) -> bool:
+        """Every written tensor is the current, unsaved output of an op of this region,
+        not a view and never viewed (Note [Replaying writes to fresh tensors])."""
+        gmap = self.graph.map
+        for t in written.values():
+            e = gmap.get(t)
+            if e is None or e[3] != t._version or t._is_view():
+                return False
+            node, idx = e[1], e[2]
+            if node.op is None or node.viewed or node.cut or (node.saved is not None and node.saved[idx] is not None):
+                return False
+        return True
+
     def _snapshot_read(self, tensors) -> None:
         """Before ``tensors`` are written: snapshot the held values of theirs that a
         replay reads (Note [Versions of written tensors])."""
@@ -344,10 +378,13 @@ class Tracer(TorchDispatchMode):
         inputs = node.inputs
         allow = frame.allow_mutation
         targs = list(args)
+        view_src = info.view_src
         for i, a in enumerate(args):
             if isinstance(a, _Tensor):
                 m, j = graph.ref(a, allow)
                 m.read_by_replay = True
+                if i == view_src:
+                    m.viewed = True
                 inputs.append((i, m, j))
                 targs[i] = None
             elif info.has_tensor_lists and type(a) in (list, tuple):

@@ -7,14 +7,19 @@ exists (``unshard``) and through the private state below otherwise, so a torch u
 that moves FSDP2 internals touches this file only.
 
 Note [FSDP units are region boundaries]
-    Inside a region that encloses FSDP unit calls (one region around a whole FSDP
-    model, or a block region whose attention and MLP are their own units), the
-    outputs of every unit are saved. Recompute therefore never runs past a unit
-    boundary: the ops a handle of unit U replays read U's parameters only, and U is
-    unsharded while its backward runs (FSDP's pre-backward), so no unit is gathered
-    twice. A policy that says MUST_RECOMPUTE for the op producing a unit output
-    overrides this (the replay may then need another unit's parameters: see Note
-    [Replays unshard what they read]).
+    Inside a bare region that encloses FSDP unit calls (one ``apply_ac_policy``
+    around a whole FSDP model), the outputs of every unit are saved. Recompute
+    therefore never runs past a unit boundary: the ops a handle of unit U replays
+    read U's parameters only, and U is unsharded while its backward runs (FSDP's
+    pre-backward), so no unit is gathered early or twice. A policy that says
+    MUST_RECOMPUTE for the op producing a unit output overrides this (the replay may
+    then need another unit's parameters: see Note [Replays unshard what they read]).
+    Inside a checkpointed *module* (``apply_ac``/``wrap``; e.g. a block whose
+    attention and MLP are their own units) unit outputs are not saved: the module
+    keeps only its inputs, as torch's checkpoint does, and a replay that reads a
+    nested unit's parameters unshards it first (it is gathered once, a little earlier
+    than FSDP's own pre-backward would have). That is also what a checkpointed module
+    around a whole FSDP model does: its first replay unshards every unit.
 
 Note [Replays unshard what they read]
     Leaves that are a unit's unsharded parameters remember their unit. When a replay

@@ -29,7 +29,8 @@ Note [Replay environment]
     - this thread's tracer, if a region is active here (backward called inside a
       region), passes replayed ops through without recording them;
     - an RNG op recorded with ``rng="replay"`` runs with its generator set to the
-      state stashed before the forward call, then the generator is restored.
+      state it had before the forward call (Note [One generator state per region]
+      in _graph.py), then the generator is restored.
     - with ``create_graph=True`` the saved-tensor hooks of a region active on this
       thread (backward called inside a region, e.g. a gradient penalty) are lifted
       for the replay (Note [Replays save natively]).
@@ -68,7 +69,7 @@ def trace_range(name: str) -> Any:
     return record_function(name) if torch._C._autograd._profiler_enabled() else _NULL
 
 if TYPE_CHECKING:
-    from ._graph import Graph, Node
+    from ._graph import Graph, Node, RngChain
 
 
 def default_generator(device: torch.device) -> torch.Generator:
@@ -206,14 +207,21 @@ class InlineExecutor:
             graph.stats.replay_seconds += time.perf_counter() - t0
             state.replaying -= 1
 
-    def run(self, node: Node, args: list, kwargs: dict) -> Any:
-        if node.rng is None:
+    def run(self, node: Node, args: list, kwargs: dict, chain: RngChain | None = None) -> Any:
+        """Run a recorded op; a random one on ``chain``, which Graph._advance brought to
+        the state right before it."""
+        if chain is None:
             return node.op(*args, **kwargs)
-        gen, stashed = node.rng
+        k = node.rng[1]
+        gen = chain.generator
         current = gen.get_state()
-        gen.set_state(stashed)
+        gen.set_state(chain.state)
         try:
-            return node.op(*args, **kwargs)
+            out = node.op(*args, **kwargs)
+            chain.cursor = k + 1
+            # The state after the chain's last op is never needed: do not keep it.
+            chain.state = gen.get_state() if chain.cursor < len(chain.nodes) else None
+            return out
         finally:
             gen.set_state(current)
 

@@ -6,18 +6,20 @@ For each of no AC, torch full AC, torch SAC, ac2 full and ac2 SAC (same model, s
 data, FSDP2 over all ranks, every block checkpointed): peak memory of forward and of
 backward, activations kept after forward, backward FLOPs (recompute included), median
 step time, collectives and all-gathers issued during backward, per rank; then the
-ratios ac2 / torch.utils.checkpoint. Writes ``bench.json`` and ``bench.md`` to --out
+ratios ac2 / torch.utils.checkpoint. Step times are taken in rounds, every mode once per
+round (interleaved; all ranks meet in a barrier before each step); the step-time ratio
+is per round, printed as median (min-max) over the rounds. Writes ``bench.json`` and ``bench.md`` to --out
 (and ``bench.png`` with --png, needs matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -27,7 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_core import backward_flops  # noqa: E402
+from bench_core import PAIRS, backward_flops, ratio_stats, timed_rounds  # noqa: E402
 from models import Llama  # noqa: E402
 from train import (  # noqa: E402
     AC_MODES,
@@ -68,24 +70,8 @@ def _loss(model, x, y):
     return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
 
 
-def _measure_mode(args, mode, mesh, device, data) -> dict:
-    model = _build(args, mode, mesh, device)
-    x, y = (t.to(device) for t in next(data))
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        _loss(model, x, y).backward()
-
-    for _ in range(args.warmup):
-        step()
-    times = []
-    for _ in range(args.iters):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+def _measure_mode(model, x, y) -> dict:
+    """Memory, collectives and FLOPs of one mode's model (one tracked step)."""
     model.zero_grad(set_to_none=True)
     with ac.memory.track(model) as tracker:
         loss = _loss(model, x, y)
@@ -97,7 +83,6 @@ def _measure_mode(args, mode, mesh, device, data) -> dict:
     model.zero_grad(set_to_none=True)
     flops = backward_flops(lambda: _loss(model, x, y))
     return {
-        "step_seconds_median": statistics.median(times),
         "peak_bytes_forward": report.peak_bytes_forward,
         "peak_bytes_backward": report.peak_bytes_backward,
         "kept_after_forward_bytes": report.live_bytes_after_forward,
@@ -108,6 +93,11 @@ def _measure_mode(args, mode, mesh, device, data) -> dict:
         "recomputed_ops": report.recomputed_ops,
         "report": report.to_dict(),
     }
+
+
+def _step(model, x, y) -> None:
+    model.zero_grad(set_to_none=True)
+    _loss(model, x, y).backward()
 
 
 def _markdown(results: list[dict], modes: list[str], args) -> str:
@@ -128,15 +118,17 @@ def _markdown(results: list[dict], modes: list[str], args) -> str:
                 f"{r['kept_after_forward_bytes'] * mib:.1f} | {r['backward_flops'] / 1e9:.2f} | "
                 f"{r['step_seconds_median']:.3f} | {r['collectives_backward']} | {r['allgathers_backward']} |"
             )
-    lines += ["", "| ratio (rank 0) | peak fwd | peak bwd | bwd FLOPs | step time |", "|---|---:|---:|---:|---:|"]
-    for ours, theirs in (("ac2-full", "torch-full"), ("ac2-sac", "torch-sac")):
+    lines += ["", f"| ratio (rank 0) | peak fwd | peak bwd | bwd FLOPs | step time, median (min-max) of {args.iters} rounds |",
+              "|---|---:|---:|---:|---:|"]
+    for ours, theirs in PAIRS:
         if ours in modes and theirs in modes:
             a, b = results[0]["modes"][ours], results[0]["modes"][theirs]
+            st = ratio_stats(a["step_seconds_all"], b["step_seconds_all"])
             lines.append(
                 f"| {ours} / {theirs} | {a['peak_bytes_forward'] / b['peak_bytes_forward']:.3f} | "
                 f"{a['peak_bytes_backward'] / b['peak_bytes_backward']:.3f} | "
                 f"{a['backward_flops'] / b['backward_flops']:.3f} | "
-                f"{a['step_seconds_median'] / b['step_seconds_median']:.3f} |"
+                f"{st['median']:.3f} ({st['min']:.3f}-{st['max']:.3f}) |"
             )
     return "\n".join(lines)
 
@@ -149,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--iters", type=int, default=5, help="timed rounds (every mode once per round)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reshard", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
@@ -174,11 +166,25 @@ def bench(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> N
     modes = args.modes.split(",")
     rank = dist.get_rank()
     data = batches(corpus(), args.batch, args.seq, args.seed, rank)
+    x, y = (t.to(device) for t in next(data))
+    models = {mode: _build(args, mode, mesh, device) for mode in modes}
     mine = {"rank": rank, "device": device.type, "modes": {}}
     for mode in modes:
-        mine["modes"][mode] = _measure_mode(args, mode, mesh, device, data)
+        _step(models[mode], x, y)  # lazy init, first all-gathers
+        mine["modes"][mode] = _measure_mode(models[mode], x, y)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+
+    steps = {mode: functools.partial(_step, models[mode], x, y) for mode in modes}
+    times = timed_rounds(steps, args.iters, args.warmup, sync=sync)
+    for mode in modes:
+        r = mine["modes"][mode]
+        r["step_seconds_median"] = statistics.median(times[mode])
+        r["step_seconds_all"] = times[mode]
         if rank == 0:
-            r = mine["modes"][mode]
             print(f"{mode:<11} step {r['step_seconds_median']:.3f}s  peak bwd "
                   f"{r['peak_bytes_backward'] / 2**20:.1f} MiB  bwd {r['backward_flops'] / 1e9:.2f} GFLOP", flush=True)
     gathered = ac.memory._gather_json(mine)  # JSON over the group: needs no numpy

@@ -1,18 +1,29 @@
 """Single-process benchmark: ac2_dist vs torch.utils.checkpoint, measured side by side.
 
-Runs a stack of GPT blocks (each block checkpointed on its own) under five modes --
-no AC, torch full AC, torch SAC (save mm/addmm), ac2 full AC, ac2 SAC (same save
-list) -- and prints, per mode: peak memory of forward+backward and activations kept
-after forward (allocator events via torch.profiler), backward FLOPs (FlopCounterMode,
-recompute included) and the median step time; then ac2/torch ratios.
+Three workloads, each a stack of blocks checkpointed per block (torch: its non-reentrant
+``checkpoint`` on the block's forward; ac2: ``apply_ac`` on the block type):
 
-    python launch/bench_core.py                  # D=512, T=256, B=4, 4 blocks, CPU
+- ``gpt``: GPT blocks (causal SDPA attention, GELU MLP);
+- ``gpt-dropout``: the same with dropout 0.1 (ac2 with ``rng="replay"``, torch restores
+  the RNG state: both regenerate the masks in backward);
+- ``nested``: stages of residual MLP layers, the stage *and* each layer checkpointed (HF
+  Swin's layout; no SAC modes there).
+
+Modes: no AC, torch full AC, torch SAC (save mm/addmm), ac2 full AC, ac2 SAC (same save
+list). Per mode: peak memory of forward+backward and activations kept after forward
+(allocator events via torch.profiler), backward FLOPs (FlopCounterMode, recompute
+included) and the median step time. Steps run in rounds, every mode once per round
+(interleaved, so machine drift hits all modes alike); the step-time ratio ac2/torch is
+taken per round and printed as median (min-max) over the rounds.
+
+    python launch/bench_core.py                  # D=512, T=256, B=4, 4 blocks, 7 rounds, CPU
     python launch/bench_core.py --json out.json  # also write the figures
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import os
@@ -23,11 +34,12 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import GPTStack  # noqa: E402
+from models import GPTBlock, GPTStack, MLPLayer, Stage, StageStack  # noqa: E402
 
 import ac2_dist as ac  # noqa: E402
 from ac2_dist._alloc import AllocationTrace  # noqa: E402
@@ -35,41 +47,78 @@ from ac2_dist._alloc import AllocationTrace  # noqa: E402
 aten = torch.ops.aten
 SAVE_OPS = [aten.mm.default, aten.addmm.default]
 MODES = ["no-ac", "torch-full", "torch-sac", "ac2-full", "ac2-sac"]
+PAIRS = [("ac2-full", "torch-full"), ("ac2-sac", "torch-sac")]
 
 
-def block_runner(mode: str) -> Callable:
+def _gpt(args: argparse.Namespace, dropout: float = 0.0) -> nn.Module:
+    return GPTStack(args.layers, args.dim, args.heads, dropout)
+
+
+# name -> (model builder, checkpointed block types, ac2 rng mode, modes it runs)
+WORKLOADS: dict[str, tuple[Callable, tuple, str, list[str]]] = {
+    "gpt": (_gpt, (GPTBlock,), "save", MODES),
+    "gpt-dropout": (functools.partial(_gpt, dropout=0.1), (GPTBlock,), "replay", MODES),
+    "nested": (lambda a: StageStack(2, a.dim, a.layers), (Stage, MLPLayer), "save",
+               ["no-ac", "torch-full", "ac2-full"]),
+}
+
+
+def checkpointed(model: nn.Module, mode: str, types: tuple, rng: str = "save") -> nn.Module:
+    """A copy of ``model`` with every module of ``types`` checkpointed under ``mode``."""
+    model = copy.deepcopy(model)
     if mode == "no-ac":
-        return lambda blk, x: blk(x)
-    if mode == "torch-full":
-        return lambda blk, x: checkpoint(blk, x, use_reentrant=False)
+        return model
+    if mode.startswith("ac2"):
+        return ac.apply_ac(model, "recompute_all" if mode == "ac2-full" else SAVE_OPS, modules=list(types),
+                           rng=rng)
+    kwargs = {"use_reentrant": False}
     if mode == "torch-sac":
-        ctx_fn = functools.partial(create_selective_checkpoint_contexts, SAVE_OPS)
-        return lambda blk, x: checkpoint(blk, x, use_reentrant=False, context_fn=ctx_fn)
-    policy = "recompute_all" if mode == "ac2-full" else SAVE_OPS
-
-    def run(blk, x):
-        with ac.apply_ac_policy(policy):
-            return blk(x)
-
-    return run
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, SAVE_OPS)
+    for m in model.modules():
+        if isinstance(m, types):
+            m.forward = functools.partial(checkpoint, m.forward, **kwargs)
+    return model
 
 
-def forward(model: GPTStack, x: torch.Tensor, runner: Callable) -> torch.Tensor:
-    for blk in model.blocks:
-        x = runner(blk, x)
-    return x.float().pow(2).mean()
+def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).float().pow(2).mean()
 
 
-def step(model, x, runner) -> None:
+def step(model: nn.Module, x: torch.Tensor) -> None:
     model.zero_grad(set_to_none=True)
-    forward(model, x, runner).backward()
+    forward(model, x).backward()
 
 
-def measure_memory(model, x, runner) -> dict:
+def ratio_stats(ours: list[float], theirs: list[float]) -> dict[str, float]:
+    """Per-round ratios ours[i] / theirs[i] (times taken in the same round): median, min, max."""
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def timed_rounds(steps: dict[str, Callable[[], None]], rounds: int, warmup: int,
+                 sync: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Seconds of each step per round; every round runs every mode once, in order."""
+    for _ in range(warmup):
+        for fn in steps.values():
+            fn()
+    times: dict[str, list[float]] = {m: [] for m in steps}
+    for _ in range(rounds):
+        for m, fn in steps.items():
+            if sync is not None:
+                sync()
+            t0 = time.perf_counter()
+            fn()
+            if sync is not None:
+                sync()
+            times[m].append(time.perf_counter() - t0)
+    return times
+
+
+def measure_memory(model, x) -> dict:
     model.zero_grad(set_to_none=True)
     with AllocationTrace() as trace:
         trace.mark("forward")
-        loss = forward(model, x, runner)
+        loss = forward(model, x)
         trace.mark("backward")
         loss.backward()
         del loss
@@ -97,9 +146,9 @@ def backward_flops(loss_fn: Callable[[], torch.Tensor]) -> int:
     return both.get_total_flops() - fwd.get_total_flops()
 
 
-def measure_flops(model, x, runner) -> int:
+def measure_flops(model, x) -> int:
     model.zero_grad(set_to_none=True)
-    return backward_flops(lambda: forward(model, x, runner))
+    return backward_flops(lambda: forward(model, x))
 
 
 def tracer_overhead_us(n_ops: int = 3000, reps: int = 5) -> dict[str, float]:
@@ -144,69 +193,80 @@ def tracer_overhead_us(n_ops: int = 3000, reps: int = 5) -> dict[str, float]:
     return {name: (best(fn) - eager) / n_ops * 1e6 for name, fn in cases.items()}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--iters", type=int, default=7, help="timed steps per mode (median reported)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--json", default=None, help="write the figures to this file")
-    p.add_argument("--no-micro", action="store_true", help="skip the per-op overhead micro-benchmark")
-    args = p.parse_args(argv)
-    modes = args.modes.split(",")
-
+def run_workload(name: str, args: argparse.Namespace, modes: list[str]) -> dict:
+    """Memory, FLOPs and interleaved step times of one workload; its ac2/torch ratios."""
+    build, types, rng, supported = WORKLOADS[name]
+    modes = [m for m in modes if m in supported]
     torch.manual_seed(0)
-    model = GPTStack(args.layers, args.dim, args.heads)
+    base = build(args)
     x = torch.randn(args.batch, args.seq, args.dim, requires_grad=True)
-    runners = {m: block_runner(m) for m in modes}
-
-    results = {m: {} for m in modes}
+    models = {m: checkpointed(base, m, types, rng) for m in modes}
+    results: dict[str, dict] = {m: {} for m in modes}
     for m in modes:
-        results[m].update(measure_memory(model, x, runners[m]))
-        results[m]["backward_flops"] = measure_flops(model, x, runners[m])
-    for _ in range(args.warmup):
-        for m in modes:
-            step(model, x, runners[m])
-    times = {m: [] for m in modes}
-    for _ in range(args.iters):  # round-robin so drift hits every mode alike
-        for m in modes:
-            t0 = time.perf_counter()
-            step(model, x, runners[m])
-            times[m].append(time.perf_counter() - t0)
+        torch.manual_seed(1)  # the same dropout masks in every mode
+        results[m].update(measure_memory(models[m], x))
+        torch.manual_seed(1)
+        results[m]["backward_flops"] = measure_flops(models[m], x)
+    times = timed_rounds({m: functools.partial(step, models[m], x) for m in modes}, args.rounds, args.warmup)
     for m in modes:
         results[m]["step_seconds_median"] = statistics.median(times[m])
         results[m]["step_seconds_all"] = times[m]
-
-    mib = 1 / 2**20
-    print(f"bench_core: {args.layers} GPT blocks, D={args.dim}, T={args.seq}, B={args.batch}, "
-          f"CPU threads={torch.get_num_threads()}, torch {torch.__version__}, {platform.machine()}")
-    print(f"{'mode':<11} {'peak MiB':>9} {'kept MiB':>9} {'bwd GFLOP':>10} {'step s':>8}")
-    for m in modes:
-        r = results[m]
-        print(f"{m:<11} {r['peak_bytes'] * mib:9.1f} {r['kept_after_forward_bytes'] * mib:9.1f} "
-              f"{r['backward_flops'] / 1e9:10.2f} {r['step_seconds_median']:8.3f}")
     ratios = {}
-    for ours, theirs in [("ac2-full", "torch-full"), ("ac2-sac", "torch-sac")]:
+    for ours, theirs in PAIRS:
         if ours in results and theirs in results:
             a, b = results[ours], results[theirs]
             ratios[f"{ours}/{theirs}"] = {
                 "peak": a["peak_bytes"] / b["peak_bytes"],
                 "kept_after_forward": a["kept_after_forward_bytes"] / max(b["kept_after_forward_bytes"], 1),
                 "backward_flops": a["backward_flops"] / b["backward_flops"],
-                "step_time": a["step_seconds_median"] / b["step_seconds_median"],
+                "step_time": ratio_stats(times[ours], times[theirs]),
             }
-    for name, r in ratios.items():
-        print(f"{name:<22} peak {r['peak']:.3f}x  kept {r['kept_after_forward']:.3f}x  "
-              f"bwd FLOPs {r['backward_flops']:.3f}x  step {r['step_time']:.3f}x")
+    return {"modes": results, "ratios": ratios}
+
+
+def print_workload(name: str, out: dict) -> None:
+    mib = 1 / 2**20
+    print(f"\n[{name}]")
+    print(f"{'mode':<11} {'peak MiB':>9} {'kept MiB':>9} {'bwd GFLOP':>10} {'step s':>8}")
+    for m, r in out["modes"].items():
+        print(f"{m:<11} {r['peak_bytes'] * mib:9.1f} {r['kept_after_forward_bytes'] * mib:9.1f} "
+              f"{r['backward_flops'] / 1e9:10.2f} {r['step_seconds_median']:8.3f}")
+    for pair, r in out["ratios"].items():
+        st = r["step_time"]
+        print(f"{pair:<22} peak {r['peak']:.3f}x  kept {r['kept_after_forward']:.3f}x  "
+              f"bwd FLOPs {r['backward_flops']:.3f}x  step {st['median']:.3f}x ({st['min']:.3f}-{st['max']:.3f})")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4, help="blocks per stack (nested: layers per stage)")
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=7, help="timed rounds (every mode once per round)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--json", default=None, help="write the figures to this file")
+    p.add_argument("--no-micro", action="store_true", help="skip the per-op overhead micro-benchmark")
+    args = p.parse_args(argv)
+    modes = args.modes.split(",")
+    unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
+    if unknown:
+        p.error(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
+
+    print(f"bench_core: {args.layers} blocks, D={args.dim}, T={args.seq}, B={args.batch}, {args.rounds} rounds, "
+          f"CPU threads={torch.get_num_threads()}, torch {torch.__version__}, {platform.machine()}")
+    workloads = {}
+    for name in args.workloads.split(","):
+        workloads[name] = run_workload(name, args, modes)
+        print_workload(name, workloads[name])
     overhead = {} if args.no_micro else tracer_overhead_us()
     if overhead:
         print("forward overhead per tiny op above eager (us): "
               + ", ".join(f"{k} {v:.1f}" for k, v in overhead.items()))
-    out = {"config": vars(args), "results": results, "ratios": ratios, "overhead_us_per_op": overhead,
+    out = {"config": vars(args), "workloads": workloads, "overhead_us_per_op": overhead,
            "torch": torch.__version__, "threads": torch.get_num_threads()}
     if args.json:
         with open(args.json, "w") as f:

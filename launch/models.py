@@ -32,13 +32,49 @@ class GPTBlock(nn.Module):
 
 
 class GPTStack(nn.Module):
-    def __init__(self, layers: int, dim: int, heads: int) -> None:
+    def __init__(self, layers: int, dim: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(GPTBlock(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(GPTBlock(dim, heads, dropout) for _ in range(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for blk in self.blocks:
             x = blk(x)
+        return x
+
+
+class MLPLayer(nn.Module):
+    """Residual GELU MLP: the inner module of :class:`Stage`."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class Stage(nn.Module):
+    """A stage of layers; HF Swin checkpoints both the stage and each layer (nested)."""
+
+    def __init__(self, dim: int, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MLPLayer(dim) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class StageStack(nn.Module):
+    def __init__(self, stages: int, dim: int, layers: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Stage(dim, layers) for _ in range(stages))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.blocks:
+            x = stage(x)
         return x
 
 

@@ -55,10 +55,21 @@ def test_bench_core_runs():
     sys.path.insert(0, os.path.join(ROOT, "launch"))
     import bench_core
 
-    out = bench_core.main(["--layers", "1", "--dim", "32", "--seq", "16", "--batch", "2", "--iters", "1",
-                           "--warmup", "0", "--no-micro"])
-    assert set(out["ratios"]) == {"ac2-full/torch-full", "ac2-sac/torch-sac"}
-    assert out["ratios"]["ac2-full/torch-full"]["backward_flops"] == 1.0
+    out = bench_core.main(["--layers", "2", "--dim", "32", "--heads", "4", "--seq", "16", "--batch", "2",
+                           "--rounds", "2", "--warmup", "0", "--no-micro"])
+    workloads = out["workloads"]
+    assert set(workloads) == {"gpt", "gpt-dropout", "nested"}
+    assert set(workloads["gpt"]["ratios"]) == set(workloads["gpt-dropout"]["ratios"]) == {
+        "ac2-full/torch-full", "ac2-sac/torch-sac"}
+    assert set(workloads["nested"]["ratios"]) == {"ac2-full/torch-full"}
+    for w in workloads.values():
+        for r in w["ratios"].values():
+            assert r["backward_flops"] == 1.0  # the same recompute as torch, dropout and nesting included
+            assert r["kept_after_forward"] <= 1.0
+            st = r["step_time"]
+            assert st["min"] <= st["median"] <= st["max"]
+        for m in w["modes"].values():
+            assert len(m["step_seconds_all"]) == 2
 
 
 def test_bench_gpu_cpu_smoke_run(tmp_path):

@@ -78,7 +78,10 @@ def test_non_tensor_outputs_are_not_replayed():
     assert counter["aten._local_scalar_dense"] == 0
 
 
-def test_in_place_chain_never_replayed():
+def test_in_place_chain_on_fresh_values_is_replayed_once():
+    """Every in-place op here writes a value the region created and nothing saved
+    (Note [Replaying writes to fresh tensors]): each is replayed, once."""
+
     def fn(x):
         a = x * 2
         a.add_(1).mul_(3)
@@ -88,25 +91,42 @@ def test_in_place_chain_never_replayed():
         return (c.sigmoid() * a.exp()).sum()
 
     counter = _check(fn, torch.randn(4, 4))
-    for op in ("aten.add_", "aten.mul_", "aten.relu_", "aten.sub_"):
-        assert counter[op] == 0, op
-    # Replays start from the saved post-write versions (relu_'s and sub_'s outputs).
-    assert counter["aten.tanh"] == 1 and counter["aten.sigmoid"] == 1 and counter["aten.exp"] == 1
+    for op in ("aten.add_", "aten.mul_", "aten.relu_", "aten.sub_", "aten.tanh", "aten.sigmoid", "aten.exp"):
+        assert counter[op] == 1, op
+
+
+def test_in_place_writes_to_region_inputs_are_never_replayed():
+    bufs = [torch.zeros(4, 4), torch.zeros(4, 4)]  # made outside the region: region inputs
+
+    def fn(x):
+        a = x * 2
+        buf = bufs.pop()
+        buf.add_(a.detach())  # a side effect
+        return (a.tanh() * buf).sum()
+
+    counter = _check(fn, torch.randn(4, 4))
+    assert counter["aten.add_"] == 0 and counter["aten.tanh"] == 1
 
 
 def test_out_overloads_every_written_argument_versioned():
+    givens = [torch.zeros(4), torch.zeros(4)]  # made outside the region: region inputs
+
     def fn(x):
+        given = givens.pop()
         a = x.exp()
         out = torch.empty(4, 4)
         with torch.no_grad():
             torch.mul(a, 2, out=out)  # writes `out`, whose first use is after the op
         m, i = torch.empty(4), torch.empty(4, dtype=torch.long)
         torch.max(a.detach(), dim=1, out=(m, i))  # two written arguments, neither first
-        return (a * out).tanh().sum() + (a * m.unsqueeze(1)).sum() + i.sum()
+        torch.min(a.detach(), dim=1, out=(given, torch.empty(4, dtype=torch.long)))
+        return (a * out).tanh().sum() + (a * m.unsqueeze(1)).sum() + i.sum() + (a * given.unsqueeze(1)).sum()
 
     counter = _check(fn, torch.randn(4, 4))
     assert counter["aten.mul"] >= 1  # tanh/mul backward
-    assert counter["aten.max"] == 0
+    # m and i are fresh buffers of the region: their out= op is replayed (once);
+    # `given` is a region input: min, which writes it, is never replayed.
+    assert counter["aten.max"] == 1 and counter["aten.min"] == 0
 
 
 def test_write_through_a_view_is_seen_by_the_base():
@@ -192,11 +212,11 @@ def test_sdpa_without_dropout_is_recomputed_with_dropout_saved():
     assert counter[sdpa] == 1  # dropout_p == 0: deterministic, recomputed
     counter = _check(attn(0.0), q, k, v, policy="must_save_all")
     assert counter[sdpa] == 0
-    # With dropout, CPU SDPA takes the math path (bernoulli_ writes the mask: saved);
-    # gradients stay bitwise equal under both RNG modes.
-    for rng in ("save", "replay"):
+    # With dropout, CPU SDPA takes the math path (bernoulli_ fills a fresh mask buffer):
+    # saved with rng="save", regenerated with rng="replay"; gradients bitwise equal.
+    for rng, draws in (("save", 0), ("replay", 1)):
         counter = _check(attn(0.3), q, k, v, rng=rng)
-        assert counter["aten.bernoulli_"] == 0 and counter["aten.bmm"] >= 1
+        assert counter["aten.bernoulli_"] == draws and counter["aten.bmm"] >= 1
     # The fused kernels are random exactly when dropout_p != 0.
     from ac2_dist.side_effects import op_info
 

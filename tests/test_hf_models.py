@@ -1,0 +1,153 @@
+"""Hugging Face models built from small configs (random weights, nothing downloaded),
+checkpointed per layer by ac2 and by HF's own gradient checkpointing (torch's
+non-reentrant checkpoint) in the same test: ac2 keeps no more after forward and peaks no
+higher in backward, and its gradients are bitwise eager's.
+
+The shapes that used to cost ac2 more than torch: dropout masks (GPT-2, BERT, ViT),
+values produced in place (gpt-oss's experts add their bias with ``add_``), nested
+checkpointed modules (Swin checkpoints its stages and their layers).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+import ac2_dist as ac
+from ac2_dist._alloc import AllocationTrace
+
+T = pytest.importorskip("transformers", reason="the 'test' extra installs transformers")
+from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: E402
+
+V, S, B = 128, 32, 2  # vocab, sequence, batch
+
+
+def _llama():
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+
+
+def _gpt2():
+    return T.GPT2LMHeadModel(T.GPT2Config(
+        vocab_size=V, n_embd=64, n_layer=3, n_head=4, n_positions=64, resid_pdrop=0.1, embd_pdrop=0.1,
+        attn_pdrop=0.1))
+
+
+def _bert():
+    return T.BertForMaskedLM(T.BertConfig(
+        vocab_size=V, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=64, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1))
+
+
+def _vit():
+    return T.ViTForImageClassification(T.ViTConfig(
+        image_size=32, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        intermediate_size=128, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1))
+
+
+def _mixtral():
+    return T.MixtralForCausalLM(T.MixtralConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+
+
+def _gpt_oss():
+    return T.GptOssForCausalLM(T.GptOssConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, layer_types=["full_attention", "full_attention"]))
+
+
+def _swin():
+    return T.SwinForImageClassification(T.SwinConfig(
+        image_size=32, patch_size=2, num_channels=3, embed_dim=16, depths=[2, 2], num_heads=[2, 2],
+        window_size=4, drop_path_rate=0.0))
+
+
+MODELS = {"llama": _llama, "gpt2": _gpt2, "bert": _bert, "vit": _vit, "mixtral": _mixtral,
+          "gpt-oss": _gpt_oss, "swin": _swin}
+
+
+def _inputs(model) -> dict:
+    g = torch.Generator().manual_seed(1)
+    if "pixel_values" in model.main_input_name:
+        return {"pixel_values": torch.randn(B, 3, 32, 32, generator=g)}
+    return {"input_ids": torch.randint(0, V, (B, S), generator=g)}
+
+
+def _layer_types(model) -> list[type]:
+    """What HF's gradient checkpointing checkpoints (Swin: stages and their layers)."""
+    return sorted({type(m) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)},
+                  key=lambda t: t.__name__)
+
+
+def _hf_checkpointing(model):
+    """HF's own per-layer checkpointing with torch's non-reentrant checkpoint."""
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _measure(model, inputs: dict) -> dict:
+    """Bytes kept after forward, peak of the step above its start, gradients."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # the same dropout masks in every variant
+    with AllocationTrace() as trace:
+        trace.mark("forward")
+        loss = model(**inputs).logits.float().square().mean()
+        trace.mark("backward")
+        loss.backward()
+        del loss
+    fwd, bwd = trace.phases["forward"], trace.phases["backward"]
+    return {"kept": bwd.start_bytes - fwd.start_bytes,
+            "peak": max(fwd.peak_bytes, bwd.peak_bytes) - fwd.start_bytes,
+            "grads": [p.grad for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_per_layer_checkpointing_keeps_and_peaks_no_more_than_torch(name):
+    torch.manual_seed(0)
+    eager = MODELS[name]().train()
+    inputs = _inputs(eager)
+    types = _layer_types(eager)
+    assert types, f"{name}: no checkpointable layer"
+    hf = _hf_checkpointing(copy.deepcopy(eager))
+    ours = ac.apply_ac(copy.deepcopy(eager), "recompute_all", modules=types, rng="replay")
+    e, t, a = _measure(eager, inputs), _measure(hf, inputs), _measure(ours, inputs)
+    print(f"\n  {name}: kept eager {e['kept']} torch {t['kept']} ac2 {a['kept']}; "
+          f"peak eager {e['peak']} torch {t['peak']} ac2 {a['peak']}")
+    for i, (x, y) in enumerate(zip(e["grads"], a["grads"])):
+        assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), f"{name}: grad {i} differs"
+    assert a["kept"] <= t["kept"] < e["kept"]
+    assert a["peak"] <= t["peak"]
+
+
+def test_generate_with_checkpointed_layers_records_nothing():
+    """HF generate() runs under no_grad: the checkpointed layers run their plain forward
+    (no tracer, no policy call), and the tokens are the unwrapped model's."""
+    torch.manual_seed(0)
+    model = _llama().eval()
+    calls = []
+
+    def policy(ctx, op, *args, **kwargs):
+        calls.append(op)
+        return ac.CheckpointPolicy.PREFER_RECOMPUTE
+
+    ours = ac.apply_ac(copy.deepcopy(model), policy, modules=_layer_types(model))
+    ids = torch.randint(0, V, (1, 8), generator=torch.Generator().manual_seed(2))
+    kwargs = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    t0 = time.process_time()
+    want = model.generate(ids, **kwargs)
+    t1 = time.process_time()
+    got = ours.generate(ids, **kwargs)
+    t2 = time.process_time()
+    print(f"\n  generate CPU time: plain {t1 - t0:.3f}s, ac2-wrapped {t2 - t1:.3f}s")
+    assert torch.equal(got, want)
+    assert calls == []

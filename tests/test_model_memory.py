@@ -1,0 +1,264 @@
+"""Memory on model shapes where ac2 used to keep more than torch.utils.checkpoint:
+dropout masks, values produced in place, nested checkpointed modules; and regions
+that cost nothing without grad. Every figure is compared with torch's, measured in
+the same test from the allocator's own events; every gradient with eager's."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+from _models import assert_bitwise
+from models import GPTBlock, MLPLayer, Stage
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+import ac2_dist as ac
+from ac2_dist._alloc import AllocationTrace
+
+aten = torch.ops.aten
+
+
+def _measure(model: nn.Module, x: torch.Tensor, seed: int = 0) -> dict:
+    """Bytes kept after forward and backward peak (above the step's start); grads."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    torch.manual_seed(seed)
+    with AllocationTrace() as trace:
+        trace.mark("forward")
+        loss = model(x).square().mean()
+        trace.mark("backward")
+        loss.backward()
+        del loss
+    fwd, bwd = trace.phases["forward"], trace.phases["backward"]
+    return {
+        "kept": bwd.start_bytes - fwd.start_bytes,
+        "peak": max(fwd.peak_bytes, bwd.peak_bytes) - fwd.start_bytes,
+        "grads": [x.grad] + [p.grad for p in model.parameters()],
+    }
+
+
+def _torch_ckpt(module: nn.Module) -> nn.Module:
+    module.forward = functools.partial(torch_checkpoint, module.forward, use_reentrant=False)
+    return module
+
+
+class _Stack(nn.Module):
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _compare(make, block_type, x, *, rng="save", slack_tensors=1):
+    """eager / torch per-block checkpoint / ac2 per-block: figures and grads."""
+    eager = make()
+    tm = _torch_ckpt_blocks(copy.deepcopy(eager), block_type)
+    am = ac.apply_ac(copy.deepcopy(eager), "recompute_all", modules=[block_type], rng=rng)
+    e, t, a = _measure(eager, x), _measure(tm, x), _measure(am, x)
+    boundary = slack_tensors * x.numel() * x.element_size()
+    return e, t, a, boundary
+
+
+def _torch_ckpt_blocks(model: nn.Module, block_type: type) -> nn.Module:
+    for m in model.modules():
+        if isinstance(m, block_type):
+            _torch_ckpt(m)
+    return model
+
+
+def _report(name, e, t, a):
+    print(f"\n  {name}: kept eager {e['kept']} torch {t['kept']} ac2 {a['kept']}; "
+          f"peak eager {e['peak']} torch {t['peak']} ac2 {a['peak']}")
+
+
+# ---- dropout -----------------------------------------------------------------------------
+
+
+def test_dropout_masks_are_replayed_not_kept():
+    torch.manual_seed(0)
+    x = torch.randn(2, 32, 64)
+    e, t, a, boundary = _compare(lambda: _Stack([GPTBlock(64, 4, dropout=0.1) for _ in range(3)]),
+                                 GPTBlock, x, rng="replay")
+    _report("GPT dropout 0.1", e, t, a)
+    assert_bitwise(e["grads"], a["grads"])  # same masks in forward and in the replay
+    assert a["kept"] <= t["kept"] + boundary
+    assert a["peak"] <= t["peak"]
+
+
+def test_dropout_replayed_mask_is_bitwise_the_forward_mask():
+    drop = nn.Dropout(0.5)
+    x = torch.randn(64, 64, requires_grad=True)
+    torch.manual_seed(3)
+    with ac.apply_ac_policy("recompute_all", rng="replay") as region:
+        y = (drop(x.tanh()) * 3).sum()
+    with torch.no_grad():
+        torch.rand(100)  # the generator moves on before backward
+    y.backward()
+    xr = x.detach().requires_grad_()
+    torch.manual_seed(3)
+    (drop(xr.tanh()) * 3).sum().backward()
+    assert torch.equal(x.grad, xr.grad)  # grad = mask * scale * 3 * tanh'
+    assert region.stats.recomputed_ops >= 2  # the mask was regenerated, not kept
+
+
+# ---- values produced in place ------------------------------------------------------------
+
+
+class _InplaceExpert(nn.Module):
+    """HF MoE-expert shape: a matmul result gets its bias added in place."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(d, 2 * d) / d**0.5)
+        self.b1 = nn.Parameter(torch.randn(2 * d))
+        self.w2 = nn.Parameter(torch.randn(2 * d, d) / d**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.matmul(x, self.w1)
+        h.add_(self.b1)
+        h = torch.relu_(h)  # relu_ on a fresh value
+        out = torch.matmul(h, self.w2)
+        out.mul_(0.5)
+        return x + out
+
+
+def test_inplace_results_are_recomputed_not_kept():
+    torch.manual_seed(0)
+    x = torch.randn(4, 32, 64)
+    e, t, a, boundary = _compare(lambda: _Stack([_InplaceExpert() for _ in range(3)]), _InplaceExpert, x)
+    _report("in-place expert", e, t, a)
+    assert_bitwise(e["grads"], a["grads"])
+    assert a["kept"] <= t["kept"] + boundary
+    assert a["peak"] <= t["peak"]
+
+
+def test_inplace_write_replays_from_a_clone_when_the_old_value_is_needed():
+    x = torch.randn(8, 8, requires_grad=True)
+
+    def fn(x):
+        h = x @ x
+        s = h.sigmoid()  # reads h before the write ...
+        h.mul_(2)  # ... which is a fresh write
+        return (h.tanh() * s).sum()
+
+    with ac.apply_ac_policy("recompute_all") as region:
+        y = fn(x)
+    y.backward()
+    xr = x.detach().requires_grad_()
+    fn(xr).backward()
+    assert torch.equal(x.grad, xr.grad)
+    assert region.stats.recomputed_ops > 0
+
+
+def test_side_effect_writes_stay_never_replayed():
+    """Writes to a region input, a parameter's view or BN running stats are not replayed."""
+    bn = nn.BatchNorm1d(8)
+    x = torch.randn(16, 8, requires_grad=True)
+    buf = torch.zeros(16, 8)
+    with ac.apply_ac_policy("recompute_all"):
+        h = bn(x * 2)
+        buf.add_(h.detach())  # a region input written: side effect
+        y = (h.tanh() + buf).sum()
+    stats = bn.running_mean.clone()
+    y.backward()
+    assert torch.equal(bn.running_mean, stats)  # not updated again by a replay
+    assert bn.num_batches_tracked.item() == 1
+
+
+# ---- nested checkpointed modules ---------------------------------------------------------
+
+
+# launch/models.py: Stage (HF Swin's shape: the stage and each of its layers checkpointed)
+# of residual MLPLayers.
+
+
+def test_nested_checkpointed_modules_bound_the_peak_like_torch():
+    torch.manual_seed(0)
+    x = torch.randn(4, 64, 64)
+    eager = _Stack([Stage(64, 4) for _ in range(2)])
+    tm = copy.deepcopy(eager)
+    for m in tm.modules():
+        if isinstance(m, (Stage, MLPLayer)):
+            _torch_ckpt(m)
+    am = ac.apply_ac(copy.deepcopy(eager), "recompute_all", modules=[Stage, MLPLayer])
+    e, t, a = _measure(eager, x), _measure(tm, x), _measure(am, x)
+    _report("nested stage/layer", e, t, a)
+    assert_bitwise(e["grads"], a["grads"])
+    assert a["kept"] <= t["kept"] + x.numel() * 4
+    assert a["peak"] <= t["peak"]
+    assert a["peak"] < 0.7 * e["peak"]  # and well below no checkpointing
+
+
+def test_nested_cut_with_retained_second_backward():
+    torch.manual_seed(0)
+    model = ac.apply_ac(Stage(16, 3), "recompute_all", modules=[Stage, MLPLayer])
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        ac.unwrap(m)
+    x = torch.randn(4, 16, requires_grad=True)
+    params = [x, *model.parameters()]
+    y = model(x).square().sum()
+    g1 = torch.autograd.grad(y, params, retain_graph=True)
+    g2 = torch.autograd.grad(y, params)
+    want = torch.autograd.grad(ref(x).square().sum(), [x, *ref.parameters()])
+    assert_bitwise(list(want), list(g1))
+    assert_bitwise(list(want), list(g2))
+
+
+# ---- no grad: nothing recorded -----------------------------------------------------------
+
+
+def test_generate_like_no_grad_loop_records_nothing():
+    torch.manual_seed(0)
+    model = _Stack([GPTBlock(32, 4) for _ in range(2)]).eval()
+    calls = []
+
+    def policy(ctx, op, *args, **kwargs):
+        calls.append(op)
+        return ac.CheckpointPolicy.PREFER_RECOMPUTE
+
+    ac.apply_ac(model, policy, modules=[GPTBlock])
+    x = torch.randn(1, 4, 32)
+    with torch.no_grad():
+        for _ in range(5):  # a decoding loop: grow the sequence by one step
+            y = model(x)
+            x = torch.cat([x, y[:, -1:]], dim=1)
+    assert calls == []  # the tracer never ran
+
+
+@pytest.mark.parametrize("ctx", [torch.no_grad, torch.inference_mode])
+def test_no_grad_region_installs_nothing(ctx):
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    with ctx(), ac.apply_ac_policy("recompute_all") as region:
+        assert not _get_current_dispatch_mode_stack()
+        assert not torch.nn.modules.module._global_forward_hooks
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        assert ac.is_checkpoint_enabled()
+    assert region.graph is None
+
+
+def test_replayed_dropout_graph_is_freed_by_refcount():
+    import gc
+    import weakref
+
+    drop = nn.Dropout(0.3)
+    x = torch.randn(16, 16, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        with ac.apply_ac_policy("recompute_all", rng="replay") as region:
+            y = drop(drop(x.sin()).cos()).sum()
+        ref = weakref.ref(region.graph)
+        y.backward()
+        del y, region
+        assert ref() is None  # no cycle through the RNG chain keeps saved values alive
+    finally:
+        gc.enable()
