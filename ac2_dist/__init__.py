@@ -24,8 +24,9 @@ check_torch()  # Note [Supported torch versions] (_compat.py)
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
 from . import fsdp, memory  # noqa: E402
+from ._dropin import checkpoint, checkpoint_sequential  # noqa: E402
 from ._graph import GraphStats  # noqa: E402
-from ._modules import apply_ac, unwrap, wrap  # noqa: E402
+from ._modules import apply_ac, is_checkpointed, unwrap, wrap  # noqa: E402
 from ._policy import SAVE_WITH_HOOKS, PolicyContext  # noqa: E402
 from ._region import apply_ac_policy, apply_ac_policy_fn, is_checkpoint_enabled, tag_with_policy  # noqa: E402
 from .replay import ReplayConfig  # noqa: E402
@@ -40,8 +41,11 @@ __all__ = [
     "apply_ac",
     "apply_ac_policy",
     "apply_ac_policy_fn",
+    "checkpoint",
+    "checkpoint_sequential",
     "fsdp",
     "is_checkpoint_enabled",
+    "is_checkpointed",
     "memory",
     "register_side_effect",
     "tag_with_policy",

@@ -390,7 +390,7 @@ class TensorMap:
 
 def _wrapped_fqn(module: Any, default: str) -> str:
     wrapped = getattr(module, "__dict__", {}).get("_ac2_wrap")  # _modules._CheckpointedForward
-    return wrapped.frame.module_fqn if wrapped is not None else default
+    return wrapped.source.module_fqn if wrapped is not None else default
 
 
 class Handle:

@@ -37,13 +37,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._policy import PolicyLike, _Frame
+from ._dropin import is_ac2_checkpoint
+from ._policy import PolicyLike, PolicySource
 from ._region import _thread_state, apply_ac_policy
-from .compile import CompiledPolicy, checkpoint_compiled, is_compiling
+from .compile import checkpoint_compiled, is_compiling, source_context_fn
 from .fsdp import is_fsdp_unit, unsharded_params
 from .replay import ReplayConfig, check_replay, trace_range
 
-__all__ = ["apply_ac", "wrap", "unwrap"]
+__all__ = ["apply_ac", "wrap", "unwrap", "is_checkpointed"]
 
 _ATTR = "_ac2_wrap"  # the module's _CheckpointedForward (also its ``forward``)
 _UNIT_KEY = "ac2_dist.unit"  # grad_fn.metadata key: weakref to the producing unit's graph
@@ -55,14 +56,14 @@ ModuleSelector = type | tuple | list | Callable[[str, nn.Module], bool] | None
 class _CheckpointedForward:
     """``module.forward`` of a checkpointed module (Note [The wrapper holds its module weakly])."""
 
-    __slots__ = ("_module", "previous", "frame", "config", "compiled", "__weakref__")
+    __slots__ = ("_module", "previous", "source", "config", "context_fn", "__weakref__")
 
-    def __init__(self, module: nn.Module, previous: Any, frame: _Frame, config: ReplayConfig) -> None:
+    def __init__(self, module: nn.Module, previous: Any, source: PolicySource, config: ReplayConfig) -> None:
         self._module = weakref.ref(module)
         self.previous = previous  # an instance-level forward from before wrapping, or None
-        self.frame = frame
+        self.source = source  # the policy, or a policy_factory (Note [Policy factories])
         self.config = config
-        self.compiled = CompiledPolicy([frame])  # the policy inside torch.compile (compile.py)
+        self.context_fn = source_context_fn(source)  # the policy inside torch.compile (compile.py)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module()
@@ -71,13 +72,13 @@ class _CheckpointedForward:
         previous = self.previous
         if is_compiling():  # traced by dynamo: one checkpointed region of the compiled graph
             if previous is not None:
-                return checkpoint_compiled(previous, self.compiled.context_fn, *args, **kwargs)
-            return checkpoint_compiled(type(module).forward, self.compiled.context_fn, module, *args, **kwargs)
+                return checkpoint_compiled(previous, self.context_fn, *args, **kwargs)
+            return checkpoint_compiled(type(module).forward, self.context_fn, module, *args, **kwargs)
         if not _needs_region(module, args, kwargs):  # Note [No grad, no region] (_region.py)
             if previous is not None:
                 return previous(*args, **kwargs)
             return type(module).forward(module, *args, **kwargs)
-        region = apply_ac_policy._from_frame(self.frame, self.config)
+        region = apply_ac_policy._from_frame(self.source.new_frame(), self.config)
         with region:
             if previous is not None:
                 out = previous(*args, **kwargs)
@@ -86,7 +87,7 @@ class _CheckpointedForward:
             if is_fsdp_unit(module):  # our region runs inside FSDP's pre/post-forward
                 _thread_state().graph.mark_fsdp_params(unsharded_params(module), module)
         if region.graph is not None:
-            _link_for_prefetch(region.graph, self.config, self.frame.module_fqn, args, kwargs, out)
+            _link_for_prefetch(region.graph, self.config, self.source.module_fqn, args, kwargs, out)
         else:
             graph = _thread_state().graph
             if graph is not None and graph.map is not None:  # nested in a recording region
@@ -99,29 +100,30 @@ class _CheckpointedForward:
         module = self._module()
         copied = memo.get(id(module), module)  # the module being copied, if it is
         return _CheckpointedForward(
-            copied, copy.deepcopy(self.previous, memo), copy.deepcopy(self.frame, memo), self.config
+            copied, copy.deepcopy(self.previous, memo), copy.deepcopy(self.source, memo), self.config
         )
 
     def __reduce__(self) -> tuple:
         module = self._module()
-        for what, obj in (("policy", self.frame.fn), ("replay config", self.config)):
+        what_policy = "policy" if self.source.frame is not None else "policy_factory"
+        for what, obj in ((what_policy, self.source.user_callable), ("replay config", self.config)):
             if obj is None:
                 continue
             try:
                 pickle.dumps(obj)
             except Exception as e:
-                fqn = self.frame.module_fqn or type(module).__name__
+                fqn = self.source.module_fqn or type(module).__name__
                 raise pickle.PicklingError(
                     f"ac2_dist: the {what} of the checkpointed module '{fqn}' ({obj!r}) cannot be "
                     f"pickled ({e}). Use a module-level function or a built-in policy form "
                     "(string, op list, dict), or call ac2_dist.unwrap on the module before saving."
                 ) from e
-        return (_CheckpointedForward, (module, self.previous, self.frame, self.config))
+        return (_CheckpointedForward, (module, self.previous, self.source, self.config))
 
     def __repr__(self) -> str:
         module = self._module()
         name = type(module).__name__ if module is not None else "<freed>"
-        return f"<ac2_dist checkpointed forward of {name}, policy {self.frame.name}>"
+        return f"<ac2_dist checkpointed forward of {name}, policy {self.source.name}>"
 
 
 def _needs_region(module: nn.Module, args: tuple, kwargs: dict) -> bool:
@@ -219,8 +221,9 @@ def _link_for_prefetch(graph: Any, config: ReplayConfig, fqn: str, args: Any, kw
 
 def wrap(
     module: nn.Module,
-    policy: PolicyLike = "recompute_all",
+    policy: PolicyLike | None = None,
     *,
+    policy_factory: Callable[[], PolicyLike] | None = None,
     rng: str = "save",
     allow_cache_entry_mutation: bool = False,
     module_fqn: str = "",
@@ -229,7 +232,10 @@ def wrap(
     """Checkpoint ``module``: its forward runs inside ``apply_ac_policy(policy, ...)``.
 
     In place; returns ``module``. Wrapping an already wrapped module replaces its
-    policy. ``module_fqn`` is what policies see as ``ctx.module_fqn``; ``replay`` a
+    policy. ``policy`` defaults to ``"recompute_all"``; ``policy_factory`` (instead of
+    ``policy``) is a zero-argument callable called at every forward for a fresh
+    policy (stateful policies, e.g. "save every second matmul" counted per call).
+    ``module_fqn`` is what policies see as ``ctx.module_fqn``; ``replay`` a
     :class:`ReplayConfig` (side stream, prefetch depth). Under ``torch.no_grad()`` /
     ``torch.inference_mode()``, or when no input and no parameter requires grad, the
     module runs its plain forward (nothing is recorded).
@@ -239,14 +245,15 @@ def wrap(
             f"ac2_dist.wrap: module must be a torch.nn.Module, got {type(module).__name__}; "
             "use ac2_dist.apply_ac_policy_fn(fn, *args) to checkpoint a function"
         )
-    frame = _Frame(policy, rng=rng, allow_mutation=allow_cache_entry_mutation, module_fqn=module_fqn)
+    source = PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow_cache_entry_mutation,
+                          module_fqn=module_fqn, where="wrap")
     config = check_replay(replay)
     wrapped = module.__dict__.get(_ATTR)
     if wrapped is not None:  # re-wrap: keep what forward was before the first wrap
         previous = wrapped.previous
     else:
         previous = module.__dict__.get("forward")  # an instance-level forward, if any
-    forward = _CheckpointedForward(module, previous, frame, config)
+    forward = _CheckpointedForward(module, previous, source, config)
     module.__dict__["forward"] = forward
     module.__dict__[_ATTR] = forward
     return module
@@ -289,9 +296,10 @@ def _select(model: nn.Module, modules: ModuleSelector) -> list[tuple[str, nn.Mod
 
 def apply_ac(
     model: nn.Module,
-    policy: PolicyLike = "recompute_all",
+    policy: PolicyLike | None = None,
     modules: ModuleSelector | Iterable[type] = None,
     *,
+    policy_factory: Callable[[], PolicyLike] | None = None,
     rng: str = "save",
     allow_cache_entry_mutation: bool = False,
     replay: ReplayConfig | None = None,
@@ -301,9 +309,12 @@ def apply_ac(
     Args:
         model: the model (plain or already ``fully_shard``-ed; ``fully_shard`` may
             also be applied afterwards).
-        policy: as for :class:`apply_ac_policy`.
+        policy: as for :class:`apply_ac_policy` (default ``"recompute_all"``).
         modules: module types (``[TransformerBlock]``), a predicate
             ``(fqn, module) -> bool``, or ``None`` for ``model`` itself.
+        policy_factory: instead of ``policy``, a zero-argument callable called at
+            every forward of every selected module for a fresh policy (stateful
+            policies such as torchtitan's "save every second matmul").
         replay: a :class:`ReplayConfig`: where replays run and how many modules
             ahead backward prefetches them.
 
@@ -315,12 +326,26 @@ def apply_ac(
             f"ac2_dist.apply_ac: model must be a torch.nn.Module, got {type(model).__name__}; "
             "use ac2_dist.apply_ac_policy_fn(fn, *args) to checkpoint a function"
         )
-    _Frame(policy, rng=rng, allow_mutation=allow_cache_entry_mutation, module_fqn="")  # validate first
+    PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow_cache_entry_mutation, module_fqn="",
+                 where="apply_ac")  # validate first
     config = check_replay(replay)
     selected = _select(model, modules)
     if not selected:
         raise ValueError(f"ac2_dist.apply_ac: no submodule of {type(model).__name__} matches {modules!r}")
     for fqn, module in selected:
-        wrap(module, policy, rng=rng, allow_cache_entry_mutation=allow_cache_entry_mutation,
-             module_fqn=fqn, replay=config)
+        wrap(module, policy, policy_factory=policy_factory, rng=rng,
+             allow_cache_entry_mutation=allow_cache_entry_mutation, module_fqn=fqn, replay=config)
     return model
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether ``module``'s forward runs in an ac2 region: wrapped by :func:`wrap` /
+    :func:`apply_ac`, or a Hugging Face layer whose checkpointing function is ac2's
+    (:func:`ac2_dist.integrations.hf.enable`)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"ac2_dist.is_checkpointed: expected a torch.nn.Module, got {type(module).__name__}")
+    if module.__dict__.get(_ATTR) is not None:
+        return True
+    # transformers' GradientCheckpointingLayer: a flag and the function it calls.
+    func = module.__dict__.get("_gradient_checkpointing_func")
+    return bool(getattr(module, "gradient_checkpointing", False)) and is_ac2_checkpoint(func)

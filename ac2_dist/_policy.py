@@ -16,7 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from ._compat import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD
 
-__all__ = ["CheckpointPolicy", "SAVE_WITH_HOOKS", "PolicyContext", "PolicyLike"]
+__all__ = ["CheckpointPolicy", "SAVE_WITH_HOOKS", "PolicyContext", "PolicyLike", "PolicySource"]
 
 _CP = CheckpointPolicy
 
@@ -271,3 +271,75 @@ def resolve(frames: list[_Frame], ctx: PolicyContext, op: Any, args: tuple, kwar
             continue
         current, current_frame = d, frame
     return current
+
+
+class PolicySource:
+    """Where a region's policy comes from: ``policy`` (validated once into one frame) or
+    ``policy_factory`` (called at every region entry).
+
+    Note [Policy factories]
+        A stateful policy (torchtitan's "save every second matmul" counts the matmuls
+        it has seen) must start fresh in every region: one policy object shared by all
+        blocks drifts (3, 2, 3, 2 saves instead of 3, 3, 3, 3). ``policy_factory`` is a
+        zero-argument callable; each region entry (each call of a checkpointed module,
+        each ``apply_ac_policy_fn`` / ``checkpoint`` call) calls it and normalizes its
+        result into a fresh frame. Inside ``torch.compile`` it is called when the
+        compiled graph is built (once per compilation, as torch's ``context_fn`` is).
+    """
+
+    __slots__ = ("frame", "factory", "rng", "allow_mutation", "module_fqn")
+
+    def __init__(
+        self,
+        policy: PolicyLike | None,
+        policy_factory: Callable[[], PolicyLike] | None,
+        *,
+        rng: str,
+        allow_mutation: bool,
+        module_fqn: str,
+        where: str,
+    ) -> None:
+        self.rng, self.allow_mutation, self.module_fqn = rng, bool(allow_mutation), module_fqn
+        self.factory = policy_factory
+        self.frame: _Frame | None = None
+        if policy_factory is None:
+            self.frame = _Frame("recompute_all" if policy is None else policy, rng=rng,
+                                allow_mutation=allow_mutation, module_fqn=module_fqn)
+            return
+        if policy is not None:
+            raise TypeError(
+                f"ac2_dist.{where}: pass either policy or policy_factory, not both (got policy={policy!r} "
+                f"and policy_factory={policy_factory!r})"
+            )
+        if not callable(policy_factory):
+            raise TypeError(
+                f"ac2_dist.{where}: policy_factory must be a zero-argument callable returning a policy, "
+                f"got {policy_factory!r}"
+            )
+        if rng not in ("save", "replay"):
+            raise ValueError(f"ac2_dist: rng must be 'save' or 'replay', got {rng!r}")
+
+    def new_frame(self) -> _Frame:
+        """The frame for one region entry (Note [Policy factories])."""
+        if self.frame is not None:
+            return self.frame
+        factory = self.factory
+        policy = factory()
+        try:
+            return _Frame(policy, rng=self.rng, allow_mutation=self.allow_mutation, module_fqn=self.module_fqn)
+        except (TypeError, ValueError) as e:
+            name = getattr(factory, "__qualname__", None) or repr(factory)
+            raise TypeError(
+                f"ac2_dist: policy_factory {name} returned {policy!r}, which is not a policy ({e})"
+            ) from None
+
+    @property
+    def name(self) -> str:
+        if self.frame is not None:
+            return self.frame.name
+        return f"policy_factory {getattr(self.factory, '__qualname__', None) or self.factory!r}"
+
+    @property
+    def user_callable(self) -> Any:
+        """The user's callable stored in this source (pickled with a checkpointed module)."""
+        return self.factory if self.frame is None else self.frame.fn

@@ -50,7 +50,7 @@ from typing import Any, TypeVar
 import torch
 
 from ._graph import Graph, GraphStats, unpack_handle
-from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, _Frame, is_save
+from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, PolicySource, _Frame, is_save
 from ._tracer import Tracer
 from .compile import checkpoint_compiled, policy_context_fn, skip_dynamo
 from .fsdp import is_fsdp_unit, unsharded_params
@@ -153,12 +153,13 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
         self.graph: Graph | None = None  # the graph of the last outermost use that recorded
 
     @classmethod
-    def _from_frame(cls, frame: _Frame, replay: ReplayConfig) -> apply_ac_policy:
-        """A region for an already validated policy frame (module wrappers: no re-parse)."""
+    def _from_frame(cls, frame: _Frame, replay: ReplayConfig, module_region: bool = True) -> apply_ac_policy:
+        """A region for an already validated policy frame (no re-parse): a checkpointed
+        module's, or (``module_region=False``) a function region's."""
         self = cls.__new__(cls)
         self._frame = frame
         self._replay = replay
-        self._module_region = True
+        self._module_region = module_region
         self.stats = None
         self.graph = None
         return self
@@ -276,20 +277,30 @@ def _unit_boundary(module: torch.nn.Module, args: Any, output: Any) -> None:
 def apply_ac_policy_fn(
     fn: Callable[..., T],
     *args: Any,
-    policy_fn: PolicyLike = "recompute_all",
+    policy_fn: PolicyLike | None = None,
+    policy_factory: Callable[[], PolicyLike] | None = None,
     rng: str = "save",
     allow_cache_entry_mutation: bool = False,
     **kwargs: Any,
 ) -> T:
     """Call ``fn(*args, **kwargs)`` inside ``apply_ac_policy(policy_fn, ...)``.
 
-    Inside ``torch.compile`` the call becomes one checkpointed region of the compiled
-    graph with the same policy (no graph break; Note [Regions inside compiled code]).
+    ``policy_fn`` defaults to ``"recompute_all"``; ``policy_factory`` (instead of it)
+    is a zero-argument callable called at every call for a fresh policy. Inside
+    ``torch.compile`` the call becomes one checkpointed region of the compiled graph
+    with the same policy (no graph break; Note [Regions inside compiled code]).
     """
-    if _compiling():
-        context_fn = policy_context_fn(policy_fn, rng, allow_cache_entry_mutation)
+    if _compiling():  # the policy is built when AOTAutograd asks (compile.policy_context_fn)
+        context_fn = policy_context_fn(policy_fn, policy_factory, rng, allow_cache_entry_mutation)
         return checkpoint_compiled(fn, context_fn, *args, **kwargs)
-    with apply_ac_policy(policy_fn, rng=rng, allow_cache_entry_mutation=allow_cache_entry_mutation):
+    source = PolicySource(policy_fn, policy_factory, rng=rng, allow_mutation=allow_cache_entry_mutation,
+                          module_fqn="", where="apply_ac_policy_fn")
+    return _eager_region(fn, source, args, kwargs)
+
+
+def _eager_region(fn: Callable[..., T], source: PolicySource, args: tuple, kwargs: dict) -> T:
+    """``fn(*args, **kwargs)`` in a function region (a fresh frame from ``source``)."""
+    with apply_ac_policy._from_frame(source.new_frame(), check_replay(None), module_region=False):
         return fn(*args, **kwargs)
 
 

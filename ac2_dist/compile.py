@@ -28,10 +28,12 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ._compat import CPU_OFFLOAD
-from ._policy import SAVE_WITH_HOOKS, PolicyContext, _Frame, resolve
+from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicySource, _Frame, resolve
 from .side_effects import SideEffect, op_info
 
-__all__ = ["is_compiling", "skip_dynamo", "CompiledPolicy", "checkpoint_compiled", "policy_context_fn"]
+__all__ = [
+    "is_compiling", "skip_dynamo", "CompiledPolicy", "checkpoint_compiled", "policy_context_fn", "source_context_fn",
+]
 
 _CP = CheckpointPolicy
 _NEVER_RECOMPUTED = (SideEffect.COLLECTIVE, SideEffect.FSDP, SideEffect.REGISTERED, SideEffect.OPAQUE)
@@ -104,20 +106,38 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def policy_context_fn(policy: Any, rng: str, allow_mutation: bool) -> Any:
-    """A ``context_fn`` for a policy given inside traced code (``apply_ac_policy_fn``).
+def source_context_fn(source: PolicySource) -> Any:
+    """The ``context_fn`` that gives torch's checkpoint ``source``'s policy.
 
     Dynamo hands ``context_fn`` to the checkpoint higher-order op only if it is a
-    Python constant; a partial of this module's function over the user's policy
-    arguments is one, where a :class:`CompiledPolicy` built inside the traced frame
-    is not. The policy is normalized when AOTAutograd calls it.
+    Python constant: a :class:`CompiledPolicy` built outside the traced frame (a fixed
+    policy: built once, here) or a partial of this module's function (a
+    ``policy_factory``, called when AOTAutograd builds the graph: Note [Policy
+    factories] in _policy.py).
     """
-    return functools.partial(_contexts, policy, rng, allow_mutation)
+    if source.frame is not None:
+        return CompiledPolicy([source.frame]).context_fn
+    return functools.partial(_factory_contexts, source)
 
 
-def _contexts(policy: Any, rng: str, allow_mutation: bool) -> Any:
-    frame = _Frame(policy, rng=rng, allow_mutation=allow_mutation, module_fqn="")
-    return create_selective_checkpoint_contexts(CompiledPolicy([frame]))
+def policy_context_fn(policy: Any, policy_factory: Any, rng: str, allow_mutation: bool) -> Any:
+    """A ``context_fn`` for policy arguments given inside traced code (function syntax).
+
+    A partial of this module's function over the user's arguments is a Python constant
+    to dynamo, where an object built in the traced frame is not. The policy is
+    validated and normalized when AOTAutograd calls it.
+    """
+    return functools.partial(_contexts, policy, policy_factory, rng, allow_mutation)
+
+
+def _contexts(policy: Any, policy_factory: Any, rng: str, allow_mutation: bool) -> Any:
+    source = PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow_mutation, module_fqn="",
+                          where="checkpoint")
+    return _factory_contexts(source)
+
+
+def _factory_contexts(source: PolicySource) -> Any:
+    return create_selective_checkpoint_contexts(CompiledPolicy([source.new_frame()]))
 
 
 def checkpoint_compiled(fn: Callable[..., Any], context_fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -82,3 +82,17 @@ def test_bench_gpu_cpu_smoke_run(tmp_path):
     results = json.load(open(out))["results"]
     assert set(results) == {"no-ac", "torch-full", "ac2-inline", "ac2-side-stream-prefetch"}
     assert all(r["peak_bytes"] > 0 and r["backward_seconds_median"] > 0 for r in results.values())
+
+
+def test_bench_hf_runs():
+    pytest.importorskip("transformers", reason="the 'test' extra installs transformers")
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import bench_hf
+
+    out = bench_hf.main(["--layers", "2", "--dim", "32", "--heads", "4", "--seq", "16", "--batch", "2",
+                         "--vocab", "64", "--rounds", "2", "--warmup", "0"])
+    results = out["results"]
+    assert set(results) == {"no-ac", "hf-torch", "ac2-hf-enable", "ac2-apply_ac"}
+    for mode in ("ac2-hf-enable", "ac2-apply_ac"):
+        assert results[mode]["kept_after_forward_bytes"] <= results["hf-torch"]["kept_after_forward_bytes"]
+        assert results[mode]["peak_bytes"] <= results["hf-torch"]["peak_bytes"]

@@ -1,0 +1,213 @@
+"""A drop-in for ``torch.utils.checkpoint.checkpoint`` / ``checkpoint_sequential`` (CONTRACT §9).
+
+Same signature, ac2 semantics: the function runs once, inside an ac2 region, and
+backward replays only the recorded ops it needs (never the Python function, never a
+collective). torch's arguments map onto ac2's:
+
+Note [torch's checkpoint arguments in ac2]
+    - ``use_reentrant``: ac2 has one implementation, which behaves like torch's
+      non-reentrant one. ``None`` and ``False`` are that; ``True`` gets ac2's
+      behaviour too, with a warning once per process (reentrant checkpoint's
+      limitations -- no ``torch.autograd.grad``, no kwargs, inputs must require grad
+      -- do not apply to ac2).
+    - ``context_fn``: called at every call, as torch does. A pair made by
+      ``create_selective_checkpoint_contexts(policy)`` gives its policy to the region
+      (fresh per call: a stateful policy starts over in every block) and its
+      ``allow_cache_entry_mutation``. Any other pair: the forward context is entered
+      around the function inside the region; the recompute context is never used
+      (ac2 never re-runs Python code).
+    - ``preserve_rng_state=True`` (torch's default: recompute draws the same random
+      numbers) is ``rng="replay"``; ``False`` is ``rng="save"`` (masks are kept, so
+      the gradients stay eager's -- torch would draw new ones).
+    - ``determinism_check`` (``"default"`` or ``"none"``), ``debug`` and ``early_stop``
+      are accepted and validated like torch: ac2 replays the recorded ops, so a
+      recompute cannot differ from forward (nothing to check or to trace) and always
+      stops as early as possible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import (
+    _CachedTorchDispatchMode,
+    _CachingTorchDispatchMode,
+    noop_context_fn,
+)
+
+from ._policy import PolicyLike, PolicySource
+from ._region import _eager_region
+from .compile import checkpoint_compiled, is_compiling, policy_context_fn
+
+__all__ = ["checkpoint", "checkpoint_sequential", "is_ac2_checkpoint"]
+
+_DETERMINISM = ("default", "none")
+_REENTRANT = (
+    "ac2_dist.checkpoint(use_reentrant=True): ac2 has a single implementation, which works like "
+    "torch's non-reentrant checkpoint (autograd.grad, keyword arguments and inputs that do not "
+    "require grad all work); use_reentrant is ignored. Pass use_reentrant=False to silence this."
+)
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool | None = None,
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    determinism_check: str = "default",
+    debug: bool = False,
+    preserve_rng_state: bool = True,
+    policy: PolicyLike | None = None,
+    policy_factory: Callable[[], PolicyLike] | None = None,
+    early_stop: bool = True,
+    allow_cache_entry_mutation: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """``function(*args, **kwargs)`` checkpointed by ac2; a drop-in for
+    ``torch.utils.checkpoint.checkpoint``.
+
+    Args:
+        function: what to run; it runs once, in forward.
+        use_reentrant: ``None``/``False``; ``True`` is accepted with a one-time warning
+            and behaves the same (ac2 has one, non-reentrant, implementation).
+        context_fn: torch's; a ``create_selective_checkpoint_contexts(policy_fn)``
+            pair makes ``policy_fn`` this call's policy (called per call: fresh).
+        determinism_check: ``"default"`` or ``"none"`` (nothing to check: ac2 replays
+            the recorded ops).
+        debug: accepted (bool); a replay cannot diverge from forward, so there is no
+            trace to print.
+        preserve_rng_state: ``True`` regenerates random ops' bits in backward
+            (``rng="replay"``), ``False`` keeps their outputs (``rng="save"``).
+        policy: an ac2 policy (CONTRACT §2); default ``"recompute_all"``.
+        policy_factory: instead of ``policy``, a zero-argument callable called per call.
+        early_stop: accepted (bool); ac2 always replays only what backward needs.
+        allow_cache_entry_mutation: as for :class:`ac2_dist.apply_ac_policy`.
+        **kwargs: passed to ``function``.
+
+    Returns:
+        What ``function`` returns. Inside ``torch.compile`` the call is one
+        checkpointed region of the compiled graph with the same policy.
+    """
+    if use_reentrant not in (None, False, True):
+        raise TypeError(f"ac2_dist.checkpoint: use_reentrant must be a bool or None, got {use_reentrant!r}")
+    if use_reentrant:
+        warnings.warn(_REENTRANT, UserWarning, stacklevel=2)  # the default filter: once per call site
+    if determinism_check not in _DETERMINISM:
+        raise ValueError(
+            f"ac2_dist.checkpoint: determinism_check should be one of {list(_DETERMINISM)}, "
+            f"but got {determinism_check!r}"
+        )
+    for name, flag in (("debug", debug), ("early_stop", early_stop), ("preserve_rng_state", preserve_rng_state)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"ac2_dist.checkpoint: {name} must be a bool, got {flag!r}")
+    if context_fn is noop_context_fn:
+        context_fn = None
+    if context_fn is not None and (policy is not None or policy_factory is not None):
+        raise TypeError(
+            "ac2_dist.checkpoint: pass a policy either as context_fn (torch's selective checkpoint) "
+            "or as policy / policy_factory, not both"
+        )
+    rng = "replay" if preserve_rng_state else "save"
+    if context_fn is not None:
+        if not callable(context_fn):
+            raise TypeError(f"ac2_dist.checkpoint: context_fn must be a callable returning two contexts, got {context_fn!r}")
+        if is_compiling():  # torch makes the pair when AOTAutograd builds the graph; so do we
+            policy_factory = functools.partial(_policy_of_context_fn, context_fn)
+        else:
+            return _with_context_fn(function, args, kwargs, context_fn, rng, allow_cache_entry_mutation)
+    if is_compiling():
+        context = policy_context_fn(policy, policy_factory, rng, allow_cache_entry_mutation)
+        return checkpoint_compiled(function, context, *args, **kwargs)
+    source = PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow_cache_entry_mutation,
+                          module_fqn="", where="checkpoint")
+    return _eager_region(function, source, args, kwargs)
+
+
+def _with_context_fn(function, args, kwargs, context_fn, rng, allow_mutation) -> Any:
+    """Note [torch's checkpoint arguments in ac2]: ``context_fn`` (eager)."""
+    pair = context_fn()
+    if not (isinstance(pair, tuple) and len(pair) == 2):
+        raise TypeError(f"ac2_dist.checkpoint: context_fn must return a tuple of two context managers, got {pair!r}")
+    forward_ctx, recompute_ctx = pair
+    if isinstance(forward_ctx, _CachingTorchDispatchMode):  # torch's selective checkpoint
+        if isinstance(recompute_ctx, _CachedTorchDispatchMode):
+            allow_mutation = allow_mutation or bool(getattr(recompute_ctx, "allow_cache_entry_mutation", False))
+        policy = forward_ctx.policy_fn
+        source = PolicySource(policy, None, rng=rng, allow_mutation=allow_mutation, module_fqn="",
+                              where="checkpoint")
+        return _eager_region(function, source, args, kwargs)
+    source = PolicySource(None, None, rng=rng, allow_mutation=allow_mutation, module_fqn="", where="checkpoint")
+    return _eager_region(_entered(forward_ctx, function), source, args, kwargs)
+
+
+def _policy_of_context_fn(context_fn: Callable[[], tuple[Any, Any]]) -> Any:
+    forward_ctx, _ = context_fn()
+    if not isinstance(forward_ctx, _CachingTorchDispatchMode):
+        raise RuntimeError(
+            "ac2_dist.checkpoint inside torch.compile takes a context_fn only from "
+            "torch.utils.checkpoint.create_selective_checkpoint_contexts (a policy); got a context "
+            f"{forward_ctx!r}. Pass policy= instead, or call the function outside torch.compile."
+        )
+    return forward_ctx.policy_fn
+
+
+def _entered(ctx: contextlib.AbstractContextManager, function: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with ctx:
+            return function(*args, **kwargs)
+
+    return run
+
+
+def checkpoint_sequential(
+    functions: torch.nn.Sequential | Iterable[Callable[[Any], Any]],
+    segments: int,
+    input: Any,
+    use_reentrant: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """A drop-in for ``torch.utils.checkpoint.checkpoint_sequential``.
+
+    Splits ``functions`` (an ``nn.Sequential`` or a list of callables) into ``segments``
+    chunks as torch does and checkpoints every chunk but the last with
+    :func:`checkpoint`. Keyword arguments: ``preserve_rng_state`` and the ac2 ones
+    of :func:`checkpoint` (``policy``, ``policy_factory``, ...).
+    """
+    if isinstance(functions, torch.nn.Sequential):
+        functions = list(functions.children())
+    else:
+        functions = list(functions)
+    if not isinstance(segments, int) or isinstance(segments, bool) or segments < 1:
+        raise ValueError(f"ac2_dist.checkpoint_sequential: segments must be a positive int, got {segments!r}")
+    allowed = {"preserve_rng_state", "policy", "policy_factory", "determinism_check", "debug",
+               "allow_cache_entry_mutation"}
+    unexpected = sorted(set(kwargs) - allowed)
+    if unexpected:
+        raise ValueError("Unexpected keyword arguments: " + ",".join(unexpected))
+
+    def run(start: int, end: int) -> Callable[[Any], Any]:
+        def forward(x: Any) -> Any:
+            for j in range(start, end + 1):
+                x = functions[j](x)
+            return x
+
+        return forward
+
+    size = len(functions) // segments
+    end = -1
+    for start in range(0, size * (segments - 1), size):  # torch's split: the last chunk runs plainly
+        end = start + size - 1
+        input = checkpoint(run(start, end), input, use_reentrant=use_reentrant, **kwargs)
+    return run(end + 1, len(functions) - 1)(input)
+
+
+def is_ac2_checkpoint(func: Any) -> bool:
+    """Whether ``func`` is :func:`checkpoint` (possibly a ``functools.partial`` of it)."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    return func is checkpoint

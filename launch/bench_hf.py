@@ -1,0 +1,112 @@
+"""Hugging Face Llama: each way of checkpointing its layers, side by side in one run.
+
+    python launch/bench_hf.py                 # hidden 512, 4 layers, seq 256, batch 4, CPU
+
+Modes: no AC; HF's own gradient checkpointing (torch's non-reentrant checkpoint);
+``ac2_dist.integrations.hf.enable`` (ac2 through HF's switch); ``ac2_dist.apply_ac`` on the
+decoder-layer class. Per mode: peak memory of forward+backward and bytes kept after
+forward (allocator events via torch.profiler), the median step time over interleaved
+rounds, and the per-round step-time ratio against HF's own checkpointing: median
+(min-max). Needs transformers (``pip install 'ac2-dist[hf]'``). Random weights from a
+config: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_core import ratio_stats, timed_rounds  # noqa: E402
+
+import ac2_dist as ac  # noqa: E402
+from ac2_dist._alloc import AllocationTrace  # noqa: E402
+
+MODES = ["no-ac", "hf-torch", "ac2-hf-enable", "ac2-apply_ac"]
+
+
+def build(args: argparse.Namespace, mode: str):
+    import transformers as T
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from ac2_dist.integrations import hf
+
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=4 * args.dim, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.heads, max_position_embeddings=args.seq))
+    model.train()
+    if mode == "hf-torch":
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif mode == "ac2-hf-enable":
+        hf.enable(model)
+    elif mode == "ac2-apply_ac":
+        ac.apply_ac(model, modules=[LlamaDecoderLayer])
+    return model
+
+
+def step(model, ids: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+
+
+def memory(model, ids: torch.Tensor) -> dict:
+    model.zero_grad(set_to_none=True)
+    with AllocationTrace() as trace:
+        trace.mark("forward")
+        loss = model(input_ids=ids, labels=ids).loss
+        trace.mark("backward")
+        loss.backward()
+        del loss
+    fwd, bwd = trace.phases["forward"], trace.phases["backward"]
+    return {"kept_after_forward_bytes": bwd.start_bytes - fwd.start_bytes,
+            "peak_bytes": max(fwd.peak_bytes, bwd.peak_bytes) - fwd.start_bytes}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    models = {m: build(args, m) for m in MODES}
+    results = {m: memory(models[m], ids) for m in MODES}
+    times = timed_rounds({m: functools.partial(step, models[m], ids) for m in MODES}, args.rounds, args.warmup)
+    mib = 1 / 2**20
+    print(f"bench_hf: Llama {args.layers}x{args.dim}, seq {args.seq}, batch {args.batch}, {args.rounds} rounds, "
+          f"CPU threads={torch.get_num_threads()}, torch {torch.__version__}")
+    print(f"{'mode':<14} {'peak MiB':>9} {'kept MiB':>9} {'step s':>8}  step vs hf-torch, median (min-max)")
+    for m in MODES:
+        r = results[m]
+        r["step_seconds_median"] = statistics.median(times[m])
+        r["step_seconds_all"] = times[m]
+        r["step_vs_hf_torch"] = ratio_stats(times[m], times["hf-torch"])
+        st = r["step_vs_hf_torch"]
+        print(f"{m:<14} {r['peak_bytes'] * mib:9.2f} {r['kept_after_forward_bytes'] * mib:9.2f} "
+              f"{r['step_seconds_median']:8.3f}  {st['median']:.3f} ({st['min']:.3f}-{st['max']:.3f})")
+    out = {"config": vars(args), "results": results, "torch": torch.__version__}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+if __name__ == "__main__":
+    main()

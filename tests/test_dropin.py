@@ -1,0 +1,341 @@
+"""ac2_dist.checkpoint / checkpoint_sequential as drop-ins for torch's, policy_factory,
+is_checkpointed (CONTRACT §9)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import io
+import itertools
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from _models import MLP, assert_bitwise
+from torch.utils.checkpoint import CheckpointPolicy as CP
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+from torch.utils.checkpoint import checkpoint_sequential as torch_checkpoint_sequential
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+import ac2_dist as ac
+from ac2_dist._region import _thread_state
+
+aten = torch.ops.aten
+MM_OPS = {aten.mm.default, aten.addmm.default}
+
+
+def _block(dropout: float) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(dropout), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 16))
+
+
+def _grads(block: nn.Module, x: torch.Tensor, run) -> list[torch.Tensor]:
+    block.zero_grad(set_to_none=True)
+    x.grad = None
+    torch.manual_seed(5)
+    run().square().sum().backward()
+    return [x.grad] + [p.grad for p in block.parameters()]
+
+
+def _sac_list():
+    return functools.partial(create_selective_checkpoint_contexts, [aten.addmm.default])
+
+
+def _sac_fn():
+    def policy(ctx, op, *args, **kwargs):
+        return CP.MUST_SAVE if op is aten.gelu.default else CP.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+COMBOS = list(itertools.product(
+    [None, False, True],  # use_reentrant
+    [True, False],  # preserve_rng_state
+    ["default", "none"],  # determinism_check
+    [False, True],  # debug
+    [None, "sac-list", "sac-fn"],  # context_fn
+))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
+def test_checkpoint_gradients_match_torch_for_every_argument_combination(dropout):
+    block = _block(dropout)
+    x = torch.randn(8, 16, requires_grad=True)
+    eager = _grads(block, x, lambda: block(x))
+    contexts = {None: None, "sac-list": _sac_list(), "sac-fn": _sac_fn()}
+    for reentrant, preserve, check, debug, ctx in COMBOS:
+        kwargs = {"use_reentrant": reentrant, "preserve_rng_state": preserve, "determinism_check": check,
+                  "debug": debug}
+        if ctx is not None:
+            kwargs["context_fn"] = contexts[ctx]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # use_reentrant=True / None warnings, tested below
+            got = _grads(block, x, lambda kw=kwargs: ac.checkpoint(block, x, **kw))
+            # torch accepts context_fn / debug only non-reentrant, and not both together
+            # (ac2 accepts every combination). torch's debug=True only adds an op trace to
+            # its error messages, through a logger that pytest's log capture cannot
+            # format: the reference runs without it (gradients do not depend on it).
+            torch_kwargs = dict(kwargs, debug=False)
+            if ctx is not None or debug or reentrant is None:
+                torch_kwargs["use_reentrant"] = False
+            want = _grads(block, x, lambda kw=torch_kwargs: torch_checkpoint(block, x, **kw))
+        label = (reentrant, preserve, check, debug, ctx)
+        if dropout and not preserve:
+            # torch draws new masks in its recompute (its gradients are not eager's);
+            # ac2 keeps the forward's masks: eager's gradients.
+            assert_bitwise(eager, got), label
+        else:
+            assert_bitwise(want, got), label
+        assert not ac.is_checkpoint_enabled()
+
+
+def test_checkpoint_use_reentrant_true_warns_once_per_call_site():
+    block = _block(0.0)
+    x = torch.randn(4, 16, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            ac.checkpoint(block, x, use_reentrant=True).sum().backward()
+        for reentrant in (None, False):
+            ac.checkpoint(block, x, use_reentrant=reentrant).sum().backward()
+    ours = [w for w in caught if "ac2_dist.checkpoint(use_reentrant=True)" in str(w.message)]
+    assert len(ours) == 1 and "ignored" in str(ours[0].message)
+
+
+def test_checkpoint_kwargs_inputs_without_grad_and_autograd_grad():
+    """What torch's reentrant checkpoint cannot do, ac2's can (like non-reentrant)."""
+
+    def fn(a, *, scale, bias=None):
+        return (a.sin() * scale + bias).tanh()
+
+    a = torch.randn(4, 4)  # does not require grad
+    scale = torch.randn(4, requires_grad=True)
+    bias = torch.randn(4, requires_grad=True)
+    y = ac.checkpoint(fn, a, scale=scale, bias=bias, use_reentrant=True)
+    got = torch.autograd.grad(y.sum(), [scale, bias])
+    want = torch.autograd.grad(fn(a, scale=scale, bias=bias).sum(), [scale, bias])
+    assert_bitwise(list(want), list(got))
+
+
+def test_checkpoint_rejects_bad_arguments():
+    block = _block(0.0)
+    x = torch.randn(4, 16, requires_grad=True)
+    with pytest.raises(ValueError, match="determinism_check should be one of"):
+        ac.checkpoint(block, x, determinism_check="strict")
+    with pytest.raises(TypeError, match="context_fn.*policy / policy_factory, not both"):
+        ac.checkpoint(block, x, context_fn=_sac_list(), policy="must_save_all")
+    with pytest.raises(TypeError, match="policy or policy_factory, not both"):
+        ac.checkpoint(block, x, policy="must_save_all", policy_factory=lambda: "recompute_all")
+    with pytest.raises(TypeError, match="policy_factory .* returned 42, which is not a policy"):
+        ac.checkpoint(block, x, policy_factory=lambda: 42)
+    with pytest.raises(TypeError, match="policy_factory must be a zero-argument callable"):
+        ac.checkpoint(block, x, policy_factory="recompute_all")
+    with pytest.raises(TypeError, match="tuple of two context managers"):
+        ac.checkpoint(block, x, context_fn=lambda: contextlib.nullcontext())
+    with pytest.raises(TypeError, match="debug must be a bool"):
+        ac.checkpoint(block, x, debug="yes")
+    with pytest.raises(TypeError, match="use_reentrant must be a bool or None"):
+        ac.checkpoint(block, x, use_reentrant="no")
+    assert not ac.is_checkpoint_enabled() and _thread_state().graph is None
+
+
+def test_context_fn_other_than_sac_enters_the_forward_context_only():
+    entered = []
+
+    @contextlib.contextmanager
+    def tag(name):
+        entered.append(name)
+        yield
+
+    block = _block(0.0)
+    x = torch.randn(4, 16, requires_grad=True)
+    y = ac.checkpoint(block, x, use_reentrant=False, context_fn=lambda: (tag("forward"), tag("recompute")))
+    y.sum().backward()
+    assert entered == ["forward"]  # ac2 never re-runs the function: no recompute context
+    assert_bitwise(_grads(block, x, lambda: block(x)),
+                   _grads(block, x, lambda: ac.checkpoint(block, x, context_fn=lambda: (tag("f"), tag("r")))))
+
+
+# ---- stateful policies: fresh per region ------------------------------------------------
+
+
+class _EverySecondMatmul:
+    """torchtitan's "save every second matmul" (a counter per policy object)."""
+
+    def __init__(self) -> None:
+        self.mm_seen = 0
+        self.saved = 0
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        if op in MM_OPS:
+            self.mm_seen += 1
+            if self.mm_seen % 2 == 1:
+                self.saved += 1
+                return CP.MUST_SAVE
+        return CP.PREFER_RECOMPUTE
+
+
+class _Stack(nn.Module):
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(MLP() for _ in range(n))  # 3 linears per block
+
+    def forward(self, x, run=None):
+        for b in self.blocks:
+            x = run(b, x) if run is not None else b(x)
+        return x
+
+
+def _per_block_saves(run_block) -> list[int]:
+    made: list[_EverySecondMatmul] = []
+
+    def make():
+        made.append(_EverySecondMatmul())
+        return made[-1]
+
+    model = _Stack()
+    x = torch.randn(4, 32, requires_grad=True)
+    model(x, run=lambda b, h: run_block(b, h, make)).sum().backward()
+    return [p.saved for p in made]
+
+
+def test_stateful_context_fn_policy_saves_per_block_like_torch_sac():
+    def context_fn(make):
+        return create_selective_checkpoint_contexts(make())
+
+    torch_counts = _per_block_saves(
+        lambda b, h, make: torch_checkpoint(b, h, use_reentrant=False, context_fn=lambda: context_fn(make)))
+    ours = _per_block_saves(
+        lambda b, h, make: ac.checkpoint(b, h, use_reentrant=False, context_fn=lambda: context_fn(make)))
+    factory = _per_block_saves(lambda b, h, make: ac.checkpoint(b, h, policy_factory=make))
+    assert torch_counts == ours == factory == [2, 2, 2, 2]  # 3 matmuls per block: 1st and 3rd saved
+    # One shared policy object drifts across blocks (what policy_factory exists for).
+    shared = _EverySecondMatmul()
+    model = _Stack()
+    model(torch.randn(4, 32), run=lambda b, h: ac.checkpoint(b, h, policy=shared))
+    assert shared.saved == 6 and shared.mm_seen == 12  # saves 2, 1, 2, 1 per block
+
+
+def test_policy_factory_is_fresh_per_region_for_every_entry_point():
+    calls = []
+
+    def factory():
+        policy = _EverySecondMatmul()
+        calls.append(policy)
+        return policy
+
+    model = _Stack(3)
+    ref = copy.deepcopy(model)
+    ac.apply_ac(model, modules=[MLP], policy_factory=factory)
+    x = torch.randn(4, 32, requires_grad=True)
+    for step in range(2):
+        got = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+        want = torch.autograd.grad(ref(x).sum(), [x, *ref.parameters()])
+        assert_bitwise(list(want), list(got))
+        assert len(calls) == 3 * (step + 1) and all(p.saved == 2 for p in calls)
+    calls.clear()
+    block = MLP()
+    ac.wrap(block, policy_factory=factory)
+    block(x).sum().backward()
+    ac.apply_ac_policy_fn(MLP(), x, policy_factory=factory).sum().backward()
+    assert len(calls) == 2 and all(p.saved == 2 for p in calls)
+    with pytest.raises(TypeError, match="apply_ac: pass either policy or policy_factory"):
+        ac.apply_ac(MLP(), "recompute_all", policy_factory=factory)
+    with pytest.raises(TypeError, match="wrap: pass either policy or policy_factory"):
+        ac.wrap(MLP(), [aten.mm.default], policy_factory=factory)
+    with pytest.raises(TypeError, match="apply_ac_policy_fn: pass either"):
+        ac.apply_ac_policy_fn(MLP(), x, policy_fn="must_save_all", policy_factory=factory)
+    bad = ac.wrap(MLP(), policy_factory=lambda: "save_everything")
+    with pytest.raises(TypeError, match="policy_factory .* returned 'save_everything', which is not a policy"):
+        bad(x)
+    assert not ac.is_checkpoint_enabled()
+
+
+def _module_level_factory():
+    return [aten.addmm.default]
+
+
+def test_policy_factory_modules_pickle_and_name_unpicklable_factories():
+    model = ac.apply_ac(_Stack(2), modules=[MLP], policy_factory=_module_level_factory)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    x = torch.randn(2, 32)
+    assert torch.equal(loaded(x), model(x)) and ac.is_checkpointed(loaded.blocks[0])
+    local = ac.wrap(MLP(), policy_factory=lambda: "recompute_all", module_fqn="blk")
+    with pytest.raises(pickle.PicklingError, match="policy_factory of the checkpointed module 'blk'"):
+        pickle.dumps(local)
+
+
+# ---- checkpoint_sequential ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("segments", [1, 2, 3, 5])
+@pytest.mark.parametrize("as_list", [False, True], ids=["sequential", "list"])
+def test_checkpoint_sequential_matches_torch(segments, as_list):
+    torch.manual_seed(0)
+    seq = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.2)) for _ in range(5)])
+    functions = list(seq) if as_list else seq
+    x = torch.randn(4, 8, requires_grad=True)
+    params = [x, *seq.parameters()]
+    torch.manual_seed(1)
+    want = torch.autograd.grad(torch_checkpoint_sequential(functions, segments, x, use_reentrant=False).sum(), params)
+    torch.manual_seed(1)
+    got = torch.autograd.grad(ac.checkpoint_sequential(functions, segments, x, use_reentrant=False).sum(), params)
+    assert_bitwise(list(want), list(got))
+    with pytest.raises(ValueError, match="Unexpected keyword arguments: bogus"):
+        ac.checkpoint_sequential(functions, segments, x, bogus=1)
+
+
+def test_checkpoint_sequential_passes_policy_on():
+    seq = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    x = torch.randn(2, 8, requires_grad=True)
+    made = []
+    ac.checkpoint_sequential(seq, 2, x, policy_factory=lambda: made.append(1) or "must_save_all").sum().backward()
+    assert len(made) == 1  # two segments: the first is checkpointed, the last runs plainly
+
+
+# ---- is_checkpointed ------------------------------------------------------------------------
+
+
+def test_is_checkpointed():
+    model = _Stack(2)
+    assert not any(ac.is_checkpointed(m) for m in model.modules())
+    ac.apply_ac(model, modules=[MLP])
+    assert [ac.is_checkpointed(m) for m in model.blocks] == [True, True]
+    assert not ac.is_checkpointed(model) and not ac.is_checkpointed(model.blocks[0].fc1)
+    ac.unwrap(model.blocks[0])
+    assert [ac.is_checkpointed(m) for m in model.blocks] == [False, True]
+    with pytest.raises(TypeError, match="expected a torch.nn.Module"):
+        ac.is_checkpointed(lambda x: x)
+
+
+# ---- torch.compile ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["policy", "context_fn", "policy_factory"])
+def test_checkpoint_inside_torch_compile_has_no_graph_break(how):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    block = _block(0.0)
+    x = torch.randn(4, 16, requires_grad=True)
+    kwargs = {"policy": [aten.addmm.default], "context_fn": _sac_list(),
+              "policy_factory": _module_level_factory}[how]
+    kwargs = {how: kwargs}
+
+    def f(x):
+        return ac.checkpoint(block, x.sin(), use_reentrant=False, **kwargs).cos()
+
+    got = _grads(block, x, lambda: torch.compile(f, backend="aot_eager", fullgraph=True)(x))
+    want = _grads(block, x, lambda: block(x.sin()).cos())
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,226 @@
+"""ac2_dist.integrations.hf: ac2 through Hugging Face's own checkpointing switch
+(CONTRACT §9). Models from small configs, random weights, nothing downloaded."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from _dist import run_ranks
+
+import ac2_dist as ac
+
+T = pytest.importorskip("transformers", reason="the 'test' extra installs transformers")
+from ac2_dist.integrations import hf  # noqa: E402
+
+V = 128
+
+
+def _llama(layers: int = 4):
+    torch.manual_seed(0)
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+
+
+def _gpt2(layers: int = 3):
+    torch.manual_seed(0)
+    return T.GPT2LMHeadModel(T.GPT2Config(
+        vocab_size=V, n_embd=64, n_layer=layers, n_head=4, n_positions=64, resid_pdrop=0.1, embd_pdrop=0.1,
+        attn_pdrop=0.1))
+
+
+def _ids(seed: int = 1, shape=(2, 24)) -> torch.Tensor:
+    return torch.randint(0, V, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _layers(model) -> list:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def _is_checkpointing(model) -> bool:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the alias is deprecated in transformers 5
+        return model.is_gradient_checkpointing
+
+
+def _grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)  # the same dropout masks
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), [p.grad for p in model.parameters()]
+
+
+def _assert_same(a, b):
+    (la, ga), (lb, gb) = a, b
+    assert torch.equal(la, lb)
+    for i, (x, y) in enumerate(zip(ga, gb)):
+        assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), f"grad {i} differs"
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_enable_matches_eager_bitwise_through_hf_switch(make):
+    eager = make().train()
+    model = hf.enable(copy.deepcopy(eager))
+    assert _is_checkpointing(model) and hf.is_enabled(model)
+    assert all(ac.is_checkpointed(layer) for layer in _layers(model))
+    ids = _ids()
+    _assert_same(_grads(eager, ids), _grads(model, ids))
+    # HF's own path is what users switch from: same gradients there too.
+    theirs = copy.deepcopy(eager)
+    theirs.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _assert_same(_grads(theirs, ids), _grads(model, ids))
+    assert not any(ac.is_checkpointed(layer) for layer in _layers(theirs))  # torch's, not ac2's
+
+
+def test_every_n_layers_and_disable():
+    eager = _llama(4).train()
+    model = hf.enable(copy.deepcopy(eager), every_n_layers=2)
+    assert [ac.is_checkpointed(layer) for layer in _layers(model)] == [True, False, True, False]
+    ids = _ids()
+    _assert_same(_grads(eager, ids), _grads(model, ids))
+    hf.disable(model)
+    assert not _is_checkpointing(model) and not hf.is_enabled(model)
+    assert not any(ac.is_checkpointed(layer) for layer in _layers(model))
+    _assert_same(_grads(eager, ids), _grads(model, ids))
+
+
+def test_policy_and_policy_factory_reach_the_layers():
+    seen = []
+
+    def factory():
+        def policy(ctx, op, *args, **kwargs):
+            seen.append(op)
+            return ac.CheckpointPolicy.PREFER_RECOMPUTE
+
+        return policy
+
+    eager = _llama(2).train()
+    model = hf.enable(copy.deepcopy(eager), policy_factory=factory)
+    ids = _ids()
+    _assert_same(_grads(eager, ids), _grads(model, ids))
+    assert seen  # the factory's policies decided the layers' ops
+    saved = hf.enable(copy.deepcopy(eager), policy=[torch.ops.aten.mm.default])
+    _assert_same(_grads(eager, ids), _grads(saved, ids))
+
+
+def test_training_disables_the_cache_and_generation_is_unchanged():
+    eager = _llama(2)
+    model = hf.enable(copy.deepcopy(eager))
+    model.train()
+    out = model(input_ids=_ids(), use_cache=True)  # HF turns the cache off under checkpointing
+    cache = out.past_key_values
+    assert cache is None or cache.get_seq_length() == 0
+    model.eval()
+    eager.eval()
+    prompt = _ids(3, (1, 6))
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(prompt, **kwargs), eager.generate(prompt, **kwargs))
+
+
+def test_save_pretrained_and_from_pretrained(tmp_path):
+    model = hf.enable(_llama(2))
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)
+    for (n, p), (m, q) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert n == m and torch.equal(p, q)
+    hf.enable(loaded).train()
+    ids = _ids()
+    _assert_same(_grads(model.train(), ids), _grads(loaded, ids))
+
+
+def test_trainer_two_steps_match_an_unchecked_trainer(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    data = [{"input_ids": ids, "labels": ids} for ids in _ids(5, (8, 16))]
+
+    def run(model, name):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / name), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3,
+            logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0,
+            dataloader_num_workers=0, disable_tqdm=True,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
+
+    base = _llama(2)
+    want, plain = run(copy.deepcopy(base), "eager")
+    got, ours = run(hf.enable(copy.deepcopy(base)), "ac2")
+    assert len(got) == 2 and got == want
+    assert hf.is_enabled(ours)  # the Trainer kept ac2's checkpointing
+    for p, q in zip(plain.parameters(), ours.parameters()):
+        assert torch.equal(p, q)
+
+
+class _NoCheckpointing(T.LlamaForCausalLM):
+    supports_gradient_checkpointing = False
+
+
+def test_bad_input_is_named():
+    with pytest.raises(TypeError, match="model must be a transformers.PreTrainedModel, got Linear"):
+        hf.enable(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="model must be a transformers.PreTrainedModel"):
+        hf.disable("model")
+    with pytest.raises(ValueError, match="_NoCheckpointing has no checkpointable layers"):
+        hf.enable(_NoCheckpointing(_llama(1).config))
+    with pytest.raises(TypeError, match="pass either policy or policy_factory"):
+        hf.enable(_llama(1), policy="recompute_all", policy_factory=lambda: "recompute_all")
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['replay_stream'\]"):
+        hf.enable(_llama(1), replay_stream="inline")
+    with pytest.raises(ValueError, match="every_n_layers must be an int >= 1"):
+        hf.enable(_llama(1), every_n_layers=0)
+    with pytest.raises(ValueError, match="unknown policy string"):
+        hf.enable(_llama(1), policy="save_some")
+
+
+def test_importing_ac2_dist_never_imports_transformers():
+    code = "import sys, ac2_dist, ac2_dist.integrations; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+
+
+# ---- FSDP2 on 2 ranks ---------------------------------------------------------------------
+
+
+def _fsdp_losses(rank, world, use_ac):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _llama(2).train()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if use_ac:
+        hf.enable(model)
+        assert all(ac.is_checkpointed(layer) for layer in model.model.layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        ids = _ids(10 * step + rank, (2, 16))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _both(rank, world):
+    return {"ac2": _fsdp_losses(rank, world, True), "none": _fsdp_losses(rank, world, False)}
+
+
+def test_fsdp2_with_hf_enable_matches_no_ac_losses():
+    results = run_ranks(_both, timeout=300)
+    for rank, r in enumerate(results):
+        print(f"\n  rank {rank}: losses ac2 {r['ac2']} no AC {r['none']}")
+        assert r["ac2"] == r["none"]
