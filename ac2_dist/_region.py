@@ -52,7 +52,7 @@ import torch
 from ._graph import Graph, GraphStats, unpack_handle
 from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, PolicySource, _Frame, is_save
 from ._tracer import Tracer
-from .compile import checkpoint_compiled, policy_context_fn, skip_dynamo
+from .compile import checkpoint_compiled, in_eager_fallback, policy_context_fn, skip_dynamo, tagged
 from .fsdp import is_fsdp_unit, unsharded_params
 from .replay import ReplayConfig, check_replay
 
@@ -309,6 +309,19 @@ def is_checkpoint_enabled() -> bool:
     return bool(_thread_state().frames)
 
 
+_EAGER_ONLY_TAG = (
+    "ac2_dist.tag_with_policy with SAVE_WITH_HOOKS or a CPU-offload policy is eager-only; inside "
+    "torch.compile tag with MUST_SAVE or PREFER_SAVE, or do not compile this block"
+)
+
+
+@torch.compiler.disable(reason=_EAGER_ONLY_TAG)
+def _refuse_compiled_tag(policy: Any) -> None:
+    """A graph break whose reason (the fullgraph=True error) and error (otherwise, when
+    the call runs) say what is refused (Note [What only eager ac2 does] in compile.py)."""
+    raise RuntimeError(f"{_EAGER_ONLY_TAG} (got {policy!r})")
+
+
 def tag_with_policy(
     t: torch.Tensor, policy: _CP | bool | SAVE_WITH_HOOKS = _CP.MUST_SAVE
 ) -> torch.Tensor:
@@ -318,6 +331,10 @@ def tag_with_policy(
     ``*_CPU_OFFLOAD``) or a :class:`SAVE_WITH_HOOKS`. Returns ``t`` for chaining.
     Outside any region there is nothing to save into and the call does nothing, so a
     model that tags its tensors also runs without checkpointing.
+
+    Inside ``torch.compile`` it returns a tagged copy of ``t`` that the compiled graph
+    saves: use the returned tensor there (Note [Tags inside compiled code] in
+    compile.py). Hooks and CPU offload cannot be tagged in compiled code.
     """
     if policy is True:
         policy = _CP.MUST_SAVE
@@ -328,8 +345,15 @@ def tag_with_policy(
         )
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"ac2_dist.tag_with_policy expects a tensor, got {type(t).__name__}")
+    eager_only = not (policy is _CP.MUST_SAVE or policy is _CP.PREFER_SAVE)
+    if _compiling():
+        if eager_only:
+            _refuse_compiled_tag(policy)
+        return tagged(t, policy is _CP.MUST_SAVE)
     st = _thread_state()
     if st.graph is None:
+        if eager_only and in_eager_fallback():  # Note [Dynamo fallback of a compiled region]
+            raise RuntimeError(f"{_EAGER_ONLY_TAG} (got {policy!r})")
         return t
     st.graph.tag(t, policy, st.frames[-1].allow_mutation)
     return t

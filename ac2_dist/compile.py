@@ -9,6 +9,23 @@ policy ``p`` AOTAutograd asks for every op of the joint graph; the min-cut
 partitioner then saves what ``p`` saves and recomputes the rest in the compiled
 backward.
 
+Note [Tags inside compiled code]
+    ``tag_with_policy(t, p)`` marks ``t``'s node in the eager graph. A compiled graph
+    has no such node to mark at trace time, so inside compiled code the call returns
+    ``torch.ops.ac2_dist.tagged(t, must)`` (a copy of ``t`` whose gradient passes
+    through) and :class:`CompiledPolicy` answers ``MUST_SAVE`` / ``PREFER_SAVE`` for
+    it: the partitioner saves that value. Use the returned tensor: if only ``t`` is
+    used afterwards, the tag is dead code and has no effect (eager code may ignore the
+    return value, compiled code may not).
+
+Note [What only eager ac2 does]
+    ``SAVE_WITH_HOOKS`` and CPU offload need ac2's own saved values: a policy returning
+    them inside compiled code is an error naming the op. Replay scheduling (side
+    stream, prefetch) and ``memory.track``'s per-region figures belong to ac2's eager
+    replays: inside compiled code the compiled backward recomputes, an explicit
+    ``ReplayConfig`` is ignored with a warning (once per process), and ``memory.track``
+    counts compiled blocks in its allocator figures only (peaks, bytes kept).
+
 Note [One policy, two executors]
     ``p`` is :class:`CompiledPolicy`: the same region frames the eager tracer
     resolves (``_policy.resolve``), plus the eager side-effect rules of CONTRACT §3:
@@ -21,6 +38,7 @@ Note [One policy, two executors]
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +51,7 @@ from .side_effects import SideEffect, op_info
 
 __all__ = [
     "is_compiling", "skip_dynamo", "CompiledPolicy", "checkpoint_compiled", "policy_context_fn", "source_context_fn",
+    "tagged", "announce_eager_only", "in_eager_fallback",
 ]
 
 _CP = CheckpointPolicy
@@ -57,13 +76,58 @@ def skip_dynamo(fn: Any) -> Any:
         return torch._disable_dynamo(fn, recursive=True)
 
 
+@torch.library.custom_op("ac2_dist::tagged", mutates_args=())
+def tagged(t: torch.Tensor, must: bool) -> torch.Tensor:
+    """A copy of ``t`` the compiled graph saves (Note [Tags inside compiled code])."""
+    return t.clone()
+
+
+@tagged.register_fake
+def _tagged_fake(t: torch.Tensor, must: bool) -> torch.Tensor:
+    return torch.empty_like(t)
+
+
+def _tagged_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return grad, None
+
+
+tagged.register_autograd(_tagged_backward)
+_TAGGED = torch.ops.ac2_dist.tagged.default
+
+
+@torch._dynamo.assume_constant_result
+def announce_eager_only(what: str) -> bool:
+    """Warn, while dynamo traces, that ``what`` does not apply inside compiled code
+    (Note [What only eager ac2 does]); the default filter shows each once."""
+    warnings.warn(f"ac2_dist: {what} applies to eager ac2 regions only; inside torch.compile the "
+                  "compiled backward recomputes, so it is ignored there", UserWarning, stacklevel=1)
+    return True
+
+
 def is_compiling() -> bool:
     """True while dynamo traces the calling frame (then ac2 takes the compiled path)."""
     return torch.compiler.is_compiling()
 
 
 class CompiledPolicy:
-    """ac2's policy as a torch selective-checkpoint policy (Note [One policy, two executors])."""
+    """ac2's policy as a torch selective-checkpoint policy (Note [Tags inside compiled code]
+    ``tag_with_policy(t, p)`` marks ``t``'s node in the eager graph. A compiled graph
+    has no such node to mark at trace time, so inside compiled code the call returns
+    ``torch.ops.ac2_dist.tagged(t, must)`` (a copy of ``t`` whose gradient passes
+    through) and :class:`CompiledPolicy` answers ``MUST_SAVE`` / ``PREFER_SAVE`` for
+    it: the partitioner saves that value. Use the returned tensor: if only ``t`` is
+    used afterwards, the tag is dead code and has no effect (eager code may ignore the
+    return value, compiled code may not).
+
+Note [What only eager ac2 does]
+    ``SAVE_WITH_HOOKS`` and CPU offload need ac2's own saved values: a policy returning
+    them inside compiled code is an error naming the op. Replay scheduling (side
+    stream, prefetch) and ``memory.track``'s per-region figures belong to ac2's eager
+    replays: inside compiled code the compiled backward recomputes, an explicit
+    ``ReplayConfig`` is ignored with a warning (once per process), and ``memory.track``
+    counts compiled blocks in its allocator figures only (peaks, bytes kept).
+
+Note [One policy, two executors])."""
 
     def __init__(self, frames: list[_Frame]) -> None:
         self.frames = list(frames)
@@ -72,6 +136,8 @@ class CompiledPolicy:
         self.context_fn = functools.partial(create_selective_checkpoint_contexts, self)
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op is _TAGGED:  # Note [Tags inside compiled code]
+            return _CP.MUST_SAVE if args[1] else _CP.PREFER_SAVE
         info = op_info(op)
         if info.ignored:
             return _CP.PREFER_RECOMPUTE
@@ -99,6 +165,22 @@ class CompiledPolicy:
                 )
             return _CP.MUST_SAVE
         return decision
+
+
+def in_eager_fallback() -> bool:
+    """Whether this (eager) code runs in a checkpointed block dynamo could not trace.
+
+    Note [Dynamo fallback of a compiled region]: when dynamo breaks the graph inside a
+    checkpointed block, it runs the ``torch.utils.checkpoint`` call it was building
+    eagerly: torch's own selective checkpoint, with ac2's policy
+    (:class:`CompiledPolicy`: collectives and random ops saved). ac2's eager region
+    does not run there, so what only it does is refused loudly.
+    """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from torch.utils.checkpoint import _CachingTorchDispatchMode
+
+    return any(isinstance(m, _CachingTorchDispatchMode) and isinstance(m.policy_fn, CompiledPolicy)
+               for m in _get_current_dispatch_mode_stack())
 
 
 def _rank() -> int:

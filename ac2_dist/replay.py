@@ -141,6 +141,10 @@ class ReplayConfig:
                 f"ac2_dist.ReplayConfig: stream must be 'auto', 'inline' or a torch.cuda.Stream, got {self.stream!r}"
             )
 
+    def explicit_scheduling(self) -> bool:
+        """A side stream or a prefetch depth asked for (not left to ``"auto"``/``None``)."""
+        return bool(self.prefetch) or _is_stream(self.stream)
+
     def prefetch_depth(self, on_cuda: bool) -> int:
         if self.prefetch is not None:
             return self.prefetch

@@ -26,7 +26,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_core import PAIRS, backward_flops, ratio_stats, timed_rounds  # noqa: E402
@@ -35,6 +34,7 @@ from train import (  # noqa: E402
     AC_MODES,
     apply_checkpointing,
     batches,
+    compile_blocks,
     corpus,
     init_distributed,
     shutdown_distributed,
@@ -42,24 +42,28 @@ from train import (  # noqa: E402
 
 import ac2_dist as ac  # noqa: E402
 
-_COLLECTIVE_NS = ("c10d", "_c10d_functional")
+_COLLECTIVE_PREFIXES = ("c10d::", "_c10d_functional::")
 
 
-class _CollectiveCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.collectives = 0
+def _collectives_in_backward(model, x, y) -> int:
+    """Collectives issued during one backward, from profiler events (compiled graphs
+    call them outside any Python dispatch mode)."""
+    from torch.profiler import ProfilerActivity, profile
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in _COLLECTIVE_NS and "wait" not in func.__name__ and "wrap" not in func.__name__:
-            self.collectives += 1
-        return func(*args, **(kwargs or {}))
+    model.zero_grad(set_to_none=True)
+    loss = _loss(model, x, y)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss.backward()
+    return sum(1 for e in prof.events()
+               if e.name.startswith(_COLLECTIVE_PREFIXES) and "wait" not in e.name and "wrap" not in e.name)
 
 
 def _build(args, mode, mesh, device):
     torch.manual_seed(args.seed)
     model = Llama(vocab=256, dim=args.dim, layers=args.layers, heads=args.heads, max_seq=args.seq).to(device)
     apply_checkpointing(model, mode)
+    if args.compile:
+        compile_blocks(model)
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=args.reshard)
     fully_shard(model, mesh=mesh)
@@ -70,25 +74,25 @@ def _loss(model, x, y):
     return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
 
 
-def _measure_mode(model, x, y) -> dict:
-    """Memory, collectives and FLOPs of one mode's model (one tracked step)."""
+def _measure_mode(model, x, y, compiled: bool) -> dict:
+    """Memory, collectives and FLOPs of one mode's model (one tracked step). Compiled
+    kernels do not dispatch through FlopCounterMode: no FLOPs for compiled modes."""
     model.zero_grad(set_to_none=True)
     with ac.memory.track(model) as tracker:
         loss = _loss(model, x, y)
-        counter = _CollectiveCounter()
-        with counter:
-            loss.backward()
+        loss.backward()
         del loss
     report = tracker.report()
+    collectives = _collectives_in_backward(model, x, y)
     model.zero_grad(set_to_none=True)
-    flops = backward_flops(lambda: _loss(model, x, y))
+    flops = None if compiled else backward_flops(lambda: _loss(model, x, y))
     return {
         "peak_bytes_forward": report.peak_bytes_forward,
         "peak_bytes_backward": report.peak_bytes_backward,
         "kept_after_forward_bytes": report.live_bytes_after_forward,
         "ac2_saved_bytes": report.saved_bytes,
         "backward_flops": flops,
-        "collectives_backward": counter.collectives,
+        "collectives_backward": collectives,
         "allgathers_backward": report.allgathers_backward,
         "recomputed_ops": report.recomputed_ops,
         "report": report.to_dict(),
@@ -100,11 +104,20 @@ def _step(model, x, y) -> None:
     _loss(model, x, y).backward()
 
 
+def _gflop(flops: int | None) -> str:
+    return "n/a" if flops is None else f"{flops / 1e9:.2f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or b is None else f"{a / b:.3f}"
+
+
 def _markdown(results: list[dict], modes: list[str], args) -> str:
     mib = 1 / 2**20
     lines = [
         f"`torchrun --standalone --nproc-per-node {len(results)} launch/bench.py` — Llama {args.layers}x{args.dim}, "
         f"seq {args.seq}, batch {args.batch}/rank, FSDP2 (reshard_after_forward={args.reshard}), "
+        f"{'blocks compiled (Inductor), ' if args.compile else ''}"
         f"{len(results)} ranks, {results[0]['device']}, torch {torch.__version__}",
         "",
         "| mode | rank | peak fwd MiB | peak bwd MiB | kept MiB | bwd GFLOP | step s | collectives bwd | all-gathers bwd |",
@@ -115,7 +128,7 @@ def _markdown(results: list[dict], modes: list[str], args) -> str:
             r = res["modes"][mode]
             lines.append(
                 f"| {mode} | {rank} | {r['peak_bytes_forward'] * mib:.1f} | {r['peak_bytes_backward'] * mib:.1f} | "
-                f"{r['kept_after_forward_bytes'] * mib:.1f} | {r['backward_flops'] / 1e9:.2f} | "
+                f"{r['kept_after_forward_bytes'] * mib:.1f} | {_gflop(r['backward_flops'])} | "
                 f"{r['step_seconds_median']:.3f} | {r['collectives_backward']} | {r['allgathers_backward']} |"
             )
     lines += ["", f"| ratio (rank 0) | peak fwd | peak bwd | bwd FLOPs | step time, median (min-max) of {args.iters} rounds |",
@@ -127,7 +140,7 @@ def _markdown(results: list[dict], modes: list[str], args) -> str:
             lines.append(
                 f"| {ours} / {theirs} | {a['peak_bytes_forward'] / b['peak_bytes_forward']:.3f} | "
                 f"{a['peak_bytes_backward'] / b['peak_bytes_backward']:.3f} | "
-                f"{a['backward_flops'] / b['backward_flops']:.3f} | "
+                f"{_ratio(a['backward_flops'], b['backward_flops'])} | "
                 f"{st['median']:.3f} ({st['min']:.3f}-{st['max']:.3f}) |"
             )
     return "\n".join(lines)
@@ -147,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-out")
     p.add_argument("--png", action="store_true", help="also write bench.png (ac2 modes' reports)")
+    p.add_argument("--compile", action="store_true", help="torch.compile every block of every mode")
     args = p.parse_args(argv)
     device = init_distributed()
     clean, mesh = False, None
@@ -171,7 +185,7 @@ def bench(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> N
     mine = {"rank": rank, "device": device.type, "modes": {}}
     for mode in modes:
         _step(models[mode], x, y)  # lazy init, first all-gathers
-        mine["modes"][mode] = _measure_mode(models[mode], x, y)
+        mine["modes"][mode] = _measure_mode(models[mode], x, y, args.compile)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -186,7 +200,7 @@ def bench(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> N
         r["step_seconds_all"] = times[mode]
         if rank == 0:
             print(f"{mode:<11} step {r['step_seconds_median']:.3f}s  peak bwd "
-                  f"{r['peak_bytes_backward'] / 2**20:.1f} MiB  bwd {r['backward_flops'] / 1e9:.2f} GFLOP", flush=True)
+                  f"{r['peak_bytes_backward'] / 2**20:.1f} MiB  bwd {_gflop(r['backward_flops'])} GFLOP", flush=True)
     gathered = ac.memory._gather_json(mine)  # JSON over the group: needs no numpy
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)

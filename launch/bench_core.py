@@ -16,7 +16,13 @@ included) and the median step time. Steps run in rounds, every mode once per rou
 (interleaved, so machine drift hits all modes alike); the step-time ratio ac2/torch is
 taken per round and printed as median (min-max) over the rounds.
 
+With ``--compile`` every mode also runs compiled (``torch.compile`` of the checkpointed
+model, Inductor, ``fullgraph=True``; modes named ``<mode>@compiled``), and the ratios add
+compiled ac2 vs compiled torch and compiled vs eager ac2. FLOPs are counted for eager
+modes only (compiled kernels do not dispatch through FlopCounterMode).
+
     python launch/bench_core.py                  # D=512, T=256, B=4, 4 blocks, 7 rounds, CPU
+    python launch/bench_core.py --compile --workloads gpt
     python launch/bench_core.py --json out.json  # also write the figures
 """
 
@@ -48,6 +54,9 @@ aten = torch.ops.aten
 SAVE_OPS = [aten.mm.default, aten.addmm.default]
 MODES = ["no-ac", "torch-full", "torch-sac", "ac2-full", "ac2-sac"]
 PAIRS = [("ac2-full", "torch-full"), ("ac2-sac", "torch-sac")]
+COMPILED = "@compiled"
+COMPILED_PAIRS = [("ac2-full@compiled", "torch-full@compiled"), ("ac2-sac@compiled", "torch-sac@compiled"),
+                  ("ac2-full@compiled", "ac2-full"), ("ac2-sac@compiled", "ac2-sac")]
 
 
 def _gpt(args: argparse.Namespace, dropout: float = 0.0) -> nn.Module:
@@ -201,24 +210,33 @@ def run_workload(name: str, args: argparse.Namespace, modes: list[str]) -> dict:
     base = build(args)
     x = torch.randn(args.batch, args.seq, args.dim, requires_grad=True)
     models = {m: checkpointed(base, m, types, rng) for m in modes}
+    if args.compile:
+        for m in list(modes):
+            models[m + COMPILED] = torch.compile(checkpointed(base, m, types, rng), backend=args.compile_backend,
+                                                 fullgraph=True)
+        modes = modes + [m + COMPILED for m in modes]
     results: dict[str, dict] = {m: {} for m in modes}
     for m in modes:
+        if m.endswith(COMPILED):
+            step(models[m], x)  # compile outside the measured window
         torch.manual_seed(1)  # the same dropout masks in every mode
         results[m].update(measure_memory(models[m], x))
         torch.manual_seed(1)
-        results[m]["backward_flops"] = measure_flops(models[m], x)
+        results[m]["backward_flops"] = None if m.endswith(COMPILED) else measure_flops(models[m], x)
     times = timed_rounds({m: functools.partial(step, models[m], x) for m in modes}, args.rounds, args.warmup)
     for m in modes:
         results[m]["step_seconds_median"] = statistics.median(times[m])
         results[m]["step_seconds_all"] = times[m]
     ratios = {}
-    for ours, theirs in PAIRS:
+    for ours, theirs in PAIRS + COMPILED_PAIRS:
         if ours in results and theirs in results:
             a, b = results[ours], results[theirs]
+            flops = None if a["backward_flops"] is None or b["backward_flops"] is None else \
+                a["backward_flops"] / b["backward_flops"]
             ratios[f"{ours}/{theirs}"] = {
                 "peak": a["peak_bytes"] / b["peak_bytes"],
                 "kept_after_forward": a["kept_after_forward_bytes"] / max(b["kept_after_forward_bytes"], 1),
-                "backward_flops": a["backward_flops"] / b["backward_flops"],
+                "backward_flops": flops,
                 "step_time": ratio_stats(times[ours], times[theirs]),
             }
     return {"modes": results, "ratios": ratios}
@@ -227,14 +245,16 @@ def run_workload(name: str, args: argparse.Namespace, modes: list[str]) -> dict:
 def print_workload(name: str, out: dict) -> None:
     mib = 1 / 2**20
     print(f"\n[{name}]")
-    print(f"{'mode':<11} {'peak MiB':>9} {'kept MiB':>9} {'bwd GFLOP':>10} {'step s':>8}")
+    print(f"{'mode':<20} {'peak MiB':>9} {'kept MiB':>9} {'bwd GFLOP':>10} {'step s':>8}")
     for m, r in out["modes"].items():
-        print(f"{m:<11} {r['peak_bytes'] * mib:9.1f} {r['kept_after_forward_bytes'] * mib:9.1f} "
-              f"{r['backward_flops'] / 1e9:10.2f} {r['step_seconds_median']:8.3f}")
+        flops = "n/a" if r["backward_flops"] is None else f"{r['backward_flops'] / 1e9:.2f}"
+        print(f"{m:<20} {r['peak_bytes'] * mib:9.1f} {r['kept_after_forward_bytes'] * mib:9.1f} "
+              f"{flops:>10} {r['step_seconds_median']:8.3f}")
     for pair, r in out["ratios"].items():
         st = r["step_time"]
-        print(f"{pair:<22} peak {r['peak']:.3f}x  kept {r['kept_after_forward']:.3f}x  "
-              f"bwd FLOPs {r['backward_flops']:.3f}x  step {st['median']:.3f}x ({st['min']:.3f}-{st['max']:.3f})")
+        flops = "n/a" if r["backward_flops"] is None else f"{r['backward_flops']:.3f}x"
+        print(f"{pair:<40} peak {r['peak']:.3f}x  kept {r['kept_after_forward']:.3f}x  "
+              f"bwd FLOPs {flops}  step {st['median']:.3f}x ({st['min']:.3f}-{st['max']:.3f})")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -250,6 +270,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--json", default=None, help="write the figures to this file")
     p.add_argument("--no-micro", action="store_true", help="skip the per-op overhead micro-benchmark")
+    p.add_argument("--compile", action="store_true", help="also run every mode compiled (<mode>@compiled)")
+    p.add_argument("--compile-backend", default="inductor")
     args = p.parse_args(argv)
     modes = args.modes.split(",")
     unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]

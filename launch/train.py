@@ -78,7 +78,25 @@ def apply_checkpointing(model: Llama, mode: str) -> None:
         if mode == "torch-sac":
             kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, SAVE_OPS)
         for block in model.layers:
-            block.forward = functools.partial(checkpoint, block.forward, **kwargs)
+            block.forward = _torch_checkpointed(block.forward, kwargs)
+
+
+def _torch_checkpointed(forward, kwargs: dict):
+    """``forward`` under torch's checkpoint. A Python frame around the call (not a
+    ``functools.partial`` of it): ``block.compile()`` compiles from the block's forward,
+    and torch's ``checkpoint`` itself is a frame dynamo skips."""
+
+    def run(*args, **kw):
+        return checkpoint(forward, *args, **kw, **kwargs)
+
+    return run
+
+
+def compile_blocks(model: Llama, backend: str = "inductor") -> None:
+    """torchtitan's order: checkpointing applied first, then each block compiled
+    (``fullgraph=True``), then ``fully_shard``."""
+    for block in model.layers:
+        block.compile(backend=backend, fullgraph=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,6 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--reshard", action=argparse.BooleanOptionalAction, default=True,
                    help="FSDP2 reshard_after_forward for the blocks")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block (after checkpointing)")
     p.add_argument("--report-json", default=None, help="write the gathered memory report here (rank 0)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -167,6 +186,8 @@ def train(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> f
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = Llama(vocab=256, dim=args.dim, layers=args.layers, heads=args.heads, max_seq=args.seq).to(device)
     apply_checkpointing(model, args.ac)
+    if args.compile:
+        compile_blocks(model)
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=args.reshard)
     fully_shard(model, mesh=mesh)
@@ -175,7 +196,8 @@ def train(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> f
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"train.py: {world} ranks ({device.type}), Llama {args.layers}x{args.dim}, "
-              f"{n_params / 1e6:.2f}M params, seq {args.seq}, batch {args.batch}/rank, --ac {args.ac}",
+              f"{n_params / 1e6:.2f}M params, seq {args.seq}, batch {args.batch}/rank, --ac {args.ac}"
+              f"{' (compiled blocks)' if args.compile else ''}",
               flush=True)
     first = last = float("nan")
     report = None

@@ -35,6 +35,17 @@ def test_train_py_under_torchrun_writes_report(tmp_path, ac_mode):
 
 
 @pytest.mark.slow
+def test_train_py_compiled_blocks(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "launch", "train.py"), "--steps", "2", "--layers", "2", "--dim", "32",
+           "--heads", "2", "--seq", "32", "--batch", "2", "--ac", "ac2-sac", "--compile"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "(compiled blocks)" in proc.stdout and "step   2/2" in proc.stdout
+    assert "per-rank memory report" in proc.stdout
+
+
+@pytest.mark.slow
 def test_bench_py_runs_all_modes(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "launch", "bench.py"), "--layers", "1", "--dim", "32", "--seq", "32",
