@@ -164,17 +164,19 @@ def test_context_fn_other_than_sac_enters_the_forward_context_only():
 
 
 class _EverySecondMatmul:
-    """torchtitan's "save every second matmul" (a counter per policy object)."""
+    """torchtitan's "save every second matmul" (a counter per policy object; like
+    torchtitan's, separate counts for forward and for torch < 2.12's recompute calls)."""
 
     def __init__(self) -> None:
-        self.mm_seen = 0
+        self.mm_seen = {False: 0, True: 0}
         self.saved = 0
 
     def __call__(self, ctx, op, *args, **kwargs):
         if op in MM_OPS:
-            self.mm_seen += 1
-            if self.mm_seen % 2 == 1:
-                self.saved += 1
+            recompute = bool(getattr(ctx, "is_recompute", False))
+            self.mm_seen[recompute] += 1
+            if self.mm_seen[recompute] % 2 == 1:
+                self.saved += not recompute
                 return CP.MUST_SAVE
         return CP.PREFER_RECOMPUTE
 
@@ -218,7 +220,7 @@ def test_stateful_context_fn_policy_saves_per_block_like_torch_sac():
     shared = _EverySecondMatmul()
     model = _Stack()
     model(torch.randn(4, 32), run=lambda b, h: ac.checkpoint(b, h, policy=shared))
-    assert shared.saved == 6 and shared.mm_seen == 12  # saves 2, 1, 2, 1 per block
+    assert shared.saved == 6 and shared.mm_seen[False] == 12  # saves 2, 1, 2, 1 per block
 
 
 def test_policy_factory_is_fresh_per_region_for_every_entry_point():
