@@ -29,12 +29,14 @@ from ._graph import GraphStats  # noqa: E402
 from ._modules import apply_ac, is_checkpointed, unwrap, wrap  # noqa: E402
 from ._policy import SAVE_WITH_HOOKS, PolicyContext  # noqa: E402
 from ._region import apply_ac_policy, apply_ac_policy_fn, is_checkpoint_enabled, tag_with_policy  # noqa: E402
+from .budget import MemoryBudget  # noqa: E402
 from .replay import ReplayConfig  # noqa: E402
 from .side_effects import register_side_effect  # noqa: E402
 
 __all__ = [
     "CheckpointPolicy",
     "GraphStats",
+    "MemoryBudget",
     "PolicyContext",
     "ReplayConfig",
     "SAVE_WITH_HOOKS",

@@ -255,7 +255,10 @@ class Node:
         "fqn",
         "must_recompute",
         "fsdp_unit",
-        "read_by_replay",
+        "readers",
+        "held",
+        "alias_of",
+        "aliased",
         "viewed",
         "writes",
         "cut",
@@ -281,8 +284,15 @@ class Node:
         self.fqn = fqn
         self.must_recompute = False  # the policy said MUST_RECOMPUTE: never made a boundary
         self.fsdp_unit: weakref.ref | None = None  # leaf = unsharded param of this FSDP unit
-        self.read_by_replay = False  # some recomputable node takes one of its outputs
-        self.viewed = False  # a view of one of its outputs was recorded
+        self.readers = 0  # recorded recomputable ops that take one of its outputs
+        self.held = 0  # handles (autograd saved tensors) created on one of its outputs
+        # Note [Aliases a schema does not declare] (_tracer.py): the (node, idx) whose
+        # storage its output shares, and whether another node's output shares its storage.
+        self.alias_of: tuple[Node, int] | None = None
+        self.aliased = False
+        # a view of one of its outputs was recorded, or it shares storage with another
+        # recorded value (Note [Aliases a schema does not declare] in _tracer.py)
+        self.viewed = False
         # Input positions this (recomputable) op writes in place (Note [Replaying writes
         # to fresh tensors]); () for ops that write nothing.
         self.writes: tuple = ()
@@ -441,6 +451,9 @@ class Graph:
         self.frames = frames  # the policy frames of the thread that records (forward)
         self.tracker: Any = None  # an active ac2_dist.memory.Tracker, if any
         self.save_unit_outputs = True  # Note [FSDP units are region boundaries] (fsdp.py)
+        # Called as observer(node, op, args, kwargs, out) for every recorded op while set
+        # (a calibrating ac2_dist.MemoryBudget region; budget.py).
+        self.observer: Any = None
         self.rng_chains: list[RngChain] = []  # every chain (rewound at a new epoch)
         self.open_chains: dict[int, RngChain] = {}  # id(generator) -> chain open in forward
         # Set by module wrappers that prefetch (Note [Prefetching the next unit's replay]):
@@ -579,6 +592,7 @@ class Graph:
         # can become a leaf here first, under the innermost region's mutation setting.
         frames = self.frames
         node, idx = self.ref(t, frames[-1].allow_mutation if frames else False)
+        node.held += 1
         with self.lock:
             self.packed += 1
             h = Handle(self, node, idx, self.packed)

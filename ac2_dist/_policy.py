@@ -81,7 +81,7 @@ _STRINGS: dict[str, CheckpointPolicy] = {
 ACCEPTED_FORMS = (
     "'recompute_all', 'must_save_all', a bool, a CheckpointPolicy, an ac2_dist.SAVE_WITH_HOOKS, "
     "a policy callable (ctx, op, *args, **kwargs), an iterable of ops to save (OpOverload, "
-    "OpOverloadPacket or HigherOrderOperator) or a dict {op: CheckpointPolicy}"
+    "OpOverloadPacket or HigherOrderOperator), a dict {op: CheckpointPolicy} or an ac2_dist.MemoryBudget"
 )
 
 
@@ -165,6 +165,13 @@ class _Frame:
     callable) is set, so the tracer can skip the Python call for the built-in forms
     (hot path).
 
+    Note [Region-scoped policies]
+        A policy object with a ``new_region_policy(module_fqn)`` method (a
+        :class:`ac2_dist.MemoryBudget`) is not asked per op itself: every region entry
+        makes a fresh per-region policy from it (:meth:`for_region`), which may also
+        define ``region_enter(graph)`` and ``region_exit(graph, failed)``; the region
+        calls them when it pushes and pops the frame (graph ``None`` under no_grad).
+
     Note [Policies pickle by op name]
         A checkpointed module keeps its frame, so ``torch.save(model)`` pickles it.
         ``OpOverload`` objects are not picklable; a table is stored as op names
@@ -172,7 +179,7 @@ class _Frame:
     """
 
     __slots__ = (
-        "const", "const_save", "table", "fn", "name", "rng", "allow_mutation", "module_fqn",
+        "const", "const_save", "table", "fn", "name", "rng", "allow_mutation", "module_fqn", "per_region",
     )
 
     def __init__(
@@ -183,6 +190,7 @@ class _Frame:
         self.const: Decision | None = None
         self.table: dict[Any, Decision] | None = None
         self.fn: PolicyFn | None = None
+        self.per_region: Any = None  # Note [Region-scoped policies]
         self.rng = rng
         self.allow_mutation = bool(allow_mutation)
         self.module_fqn = module_fqn
@@ -215,6 +223,9 @@ class _Frame:
                 f"ac2_dist: a single op {policy!r} is not a policy; pass a list of ops to save, "
                 f"e.g. [{policy!r}]. Accepted policies: {ACCEPTED_FORMS}"
             )
+        elif hasattr(policy, "new_region_policy"):  # Note [Region-scoped policies]
+            self.per_region = policy
+            self.name = repr(policy)
         elif callable(policy):
             self.fn = policy
             self.name = getattr(policy, "__qualname__", None) or repr(policy)
@@ -226,6 +237,18 @@ class _Frame:
             raise TypeError(f"ac2_dist: unsupported policy {policy!r}; accepted policies: {ACCEPTED_FORMS}")
         self.const_save = self.const is not None and is_save(self.const)
 
+    def for_region(self) -> _Frame:
+        """The frame one region entry uses: this one, or for a region-scoped policy a
+        copy with that policy's per-region object (Note [Region-scoped policies])."""
+        if self.per_region is None:
+            return self
+        frame = _Frame.__new__(_Frame)
+        frame.const, frame.const_save, frame.table, frame.per_region = None, False, None, None
+        frame.fn = self.per_region.new_region_policy(self.module_fqn)
+        frame.name, frame.rng, frame.allow_mutation, frame.module_fqn = (
+            self.name, self.rng, self.allow_mutation, self.module_fqn)
+        return frame
+
     def decide(self, ctx: PolicyContext, op: Any, args: tuple, kwargs: dict) -> Decision:
         if self.const is not None:
             return self.const
@@ -236,12 +259,12 @@ class _Frame:
     def __reduce__(self) -> tuple:
         table = None if self.table is None else [(op_name(o), d) for o, d in self.table.items()]
         return (_restore_frame, (self.const, table, self.fn, self.name, self.rng, self.allow_mutation,
-                                 self.module_fqn))
+                                 self.module_fqn, self.per_region))
 
 
-def _restore_frame(const, table, fn, name, rng, allow_mutation, module_fqn) -> _Frame:
+def _restore_frame(const, table, fn, name, rng, allow_mutation, module_fqn, per_region=None) -> _Frame:
     frame = _Frame.__new__(_Frame)
-    frame.const, frame.fn, frame.name = const, fn, name
+    frame.const, frame.fn, frame.name, frame.per_region = const, fn, name, per_region
     frame.table = None if table is None else {op_from_name(n): d for n, d in table}
     frame.rng, frame.allow_mutation, frame.module_fqn = rng, allow_mutation, module_fqn
     frame.const_save = const is not None and is_save(const)

@@ -181,8 +181,12 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
         if st.graph is None and torch.is_grad_enabled():  # Note [No grad, no region]
             st.install = self._install(st)
             st.graph = st.install.graph
-        st.frames.append(self._frame)
+        frame = self._frame.for_region()  # Note [Region-scoped policies] (_policy.py)
+        st.frames.append(frame)
         st.owners.append(self)
+        enter = getattr(frame.fn, "region_enter", None)
+        if enter is not None:
+            enter(st.graph)
         return self
 
     def _install(self, st: _ThreadState) -> _Install:
@@ -223,7 +227,10 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
                 "ac2_dist: apply_ac_policy regions exited out of order; nest them with 'with'"
             )
         st.owners.pop()
-        st.frames.pop()
+        frame = st.frames.pop()
+        leave = getattr(frame.fn, "region_exit", None)
+        if leave is not None:
+            leave(st.graph, exc_type is not None)
         install = st.install
         if install is not None and install.owner is self:
             st.install = None

@@ -38,6 +38,20 @@ Note [Versions of view outputs]
     optimizer step looked stale and became a region input, and a mutation of a saved
     view's base went unnoticed.
 
+Note [Aliases a schema does not declare]
+    Some ops return a tensor that shares its input's storage without saying so in their
+    schema and without being an autograd view: ``aten._unsafe_view`` (what
+    ``torch.matmul`` of a 3-d input returns). A write to such an output also writes its
+    input, and a replay of the write writes into the replayed input too. So an op whose
+    output shares the storage of its first argument records that partner
+    (``Node.alias_of``; the partner is marked ``aliased``). A write to the partner is a
+    side effect; a write to the alias is replayable only while the partner is a
+    recomputed value nothing else reads or saves (no other recorded reader, no
+    autograd handle): then, in a replay, the partner's value is consumed by the alias
+    alone and writing into it disturbs nothing (matmul's internal ``mm`` output).
+    Otherwise the write is a side effect (Note [Replaying writes to fresh tensors] in
+    _graph.py).
+
 Note [Dynamo inside a region]
     TorchDispatchMode wraps ``__torch_dispatch__`` in a dynamo-disable shim (~4 us per
     op). The tracer opts out of the shim and instead marks its code objects "skip,
@@ -89,6 +103,14 @@ def _rng_device(args: tuple, kwargs: dict) -> torch.device:
             return a.device
     dev = kwargs.get("device")
     return torch.device(dev) if dev is not None else torch.device("cpu")
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` use the same (non-empty) storage; False for tensors without one."""
+    try:
+        return b.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage (e.g. wrapper tensors of collectives)
+        return False
 
 
 class _CollectiveProbe(TorchDispatchMode):
@@ -278,6 +300,16 @@ class Tracer(TorchDispatchMode):
                               keep_identity=keep, owner=f"output of {func}", version=version,
                               counter=counter),
                     )
+        if (
+            single and src is None and not writes and not types and not info.returns_alias and args
+            and isinstance(args[0], _Tensor) and _same_storage(out, args[0])
+        ):  # Note [Aliases a schema does not declare]
+            e = gmap.get(args[0])
+            if e is None:
+                node.viewed = True
+            else:
+                node.alias_of = (e[1], e[2])
+                e[1].aliased = True
         for i, o in enumerate(flat):
             if isinstance(o, _Tensor):
                 if src is not None:
@@ -291,6 +323,8 @@ class Tracer(TorchDispatchMode):
             for t in written.values():
                 if id(t) not in returned:
                     graph.leaf(t, _CP.MUST_SAVE, "side_effect", inner.allow_mutation, owner, t._version + bump)
+        if graph.observer is not None:  # a calibrating memory budget (budget.py)
+            graph.observer(node, func, args, kwargs, out)
         return out
 
     def _higher_order(self, func, args, kwargs):
@@ -331,6 +365,8 @@ class Tracer(TorchDispatchMode):
         for t in inputs:
             if id(t) not in returned:
                 graph.leaf(t, _CP.MUST_SAVE, "side_effect", inner.allow_mutation, f"tensor written by {func}")
+        if graph.observer is not None:
+            graph.observer(node, func, args, kwargs, out)
         return out
 
     def _before_writes(self, info, args, kwargs) -> dict[int, torch.Tensor]:
@@ -357,8 +393,16 @@ class Tracer(TorchDispatchMode):
             if e is None or e[3] != t._version or t._is_view():
                 return False
             node, idx = e[1], e[2]
-            if node.op is None or node.viewed or node.cut or (node.saved is not None and node.saved[idx] is not None):
+            if node.op is None or node.viewed or node.aliased or node.cut or (
+                node.saved is not None and node.saved[idx] is not None
+            ):
                 return False
+            partner = node.alias_of
+            if partner is not None:  # Note [Aliases a schema does not declare]
+                m, j = partner
+                if (m.op is None or m.viewed or m.cut or m.readers != 1 or m.held
+                        or (m.saved is not None and m.saved[j] is not None)):
+                    return False
         return True
 
     def _snapshot_read(self, tensors) -> None:
@@ -369,8 +413,12 @@ class Tracer(TorchDispatchMode):
             e = gmap.get(t)
             if e is not None and (e[3] is None or e[3] == t._version):
                 node, idx = e[1], e[2]
-                if node.read_by_replay and node.saved is not None and node.saved[idx] is not None:
-                    node.saved[idx].snapshot()
+                while True:  # t, and the values it aliases (Note [Aliases a schema does not declare])
+                    if node.readers and node.saved is not None and node.saved[idx] is not None:
+                        node.saved[idx].snapshot()
+                    if node.alias_of is None:
+                        break
+                    node, idx = node.alias_of
 
     @staticmethod
     def _recomputable(graph: Graph, func, info, args, kwargs, nout, frame) -> Node:
@@ -382,7 +430,7 @@ class Tracer(TorchDispatchMode):
         for i, a in enumerate(args):
             if isinstance(a, _Tensor):
                 m, j = graph.ref(a, allow)
-                m.read_by_replay = True
+                m.readers += 1
                 if i == view_src:
                     m.viewed = True
                 inputs.append((i, m, j))
@@ -392,7 +440,7 @@ class Tracer(TorchDispatchMode):
                 for k, e in enumerate(a):
                     if isinstance(e, _Tensor):
                         m, j = graph.ref(e, allow)
-                        m.read_by_replay = True
+                        m.readers += 1
                         inputs.append(((i, k), m, j))
                         lst[k] = None
                         node.lists = True
@@ -403,7 +451,7 @@ class Tracer(TorchDispatchMode):
             for k, v in kwargs.items():
                 if isinstance(v, _Tensor):
                     m, j = graph.ref(v, allow)
-                    m.read_by_replay = True
+                    m.readers += 1
                     inputs.append((k, m, j))
                     tkw[k] = None
                 elif info.has_tensor_lists and type(v) in (list, tuple):
@@ -411,7 +459,7 @@ class Tracer(TorchDispatchMode):
                     for n, e in enumerate(v):
                         if isinstance(e, _Tensor):
                             m, j = graph.ref(e, allow)
-                            m.read_by_replay = True
+                            m.readers += 1
                             inputs.append(((k, n), m, j))
                             lst[n] = None
                             node.lists = True

@@ -131,11 +131,20 @@ Note [One policy, two executors])."""
 
     def __init__(self, frames: list[_Frame]) -> None:
         self.frames = list(frames)
+        # A region-scoped policy (a MemoryBudget) plans from ac2's eager graph: refused
+        # when torch builds a compiled graph with it (wrapping itself is fine: eager use).
+        self.refused = next((f.name for f in frames if f.per_region is not None), None)
         self.ctx: PolicyContext | None = None  # made when AOTAutograd first asks (rank known then)
         # What dynamo sees: built here, outside the traced frame.
         self.context_fn = functools.partial(create_selective_checkpoint_contexts, self)
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if self.refused is not None:
+            raise RuntimeError(
+                f"ac2_dist: {self.refused} plans from ac2's eager graph and cannot run inside torch.compile; "
+                "for compiled blocks use torch._functorch.config.activation_memory_budget (torch's own "
+                "memory-budget partitioner), or do not compile these blocks"
+            )
         if op is _TAGGED:  # Note [Tags inside compiled code]
             return _CP.MUST_SAVE if args[1] else _CP.PREFER_SAVE
         info = op_info(op)

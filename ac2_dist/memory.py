@@ -355,6 +355,13 @@ class Tracker:
             self._on_forward()
         self.graphs.append(graph)
 
+    def _note_plan(self, fqn: str, plan: Any) -> None:
+        """A :class:`ac2_dist.MemoryBudget` plan that a region of ``fqn`` follows (or made)."""
+        entry = self._report.per_module.setdefault(fqn, {"saved_bytes": 0, "recomputed_bytes": 0})
+        entry["budget_bytes"] = plan.budget_bytes
+        entry["plan_saved_bytes"] = plan.saved_bytes
+        entry["plan_recompute_us"] = round(plan.recompute_seconds * 1e6)
+
     def _snapshot_saved(self) -> None:
         by_reason, by_module = _held_bytes(self.graphs, self._param_storages)
         total = sum(by_reason.values())
@@ -568,7 +575,12 @@ def format_table(reports: list[RankReport] | None) -> str:
             cells = []
             for r in reports:
                 m = r.per_module.get(fqn, {})
-                cells.append(f"{_human_bytes(m.get('saved_bytes', 0))} / {_human_bytes(m.get('recomputed_bytes', 0))}")
+                cell = f"{_human_bytes(m.get('saved_bytes', 0))} / {_human_bytes(m.get('recomputed_bytes', 0))}"
+                if "budget_bytes" in m:  # an ac2_dist.MemoryBudget plan
+                    cell += (f" (budget {_human_bytes(m['budget_bytes'])}, plan saves "
+                             f"{_human_bytes(m['plan_saved_bytes'])}, est. recompute "
+                             f"{m['plan_recompute_us'] / 1e3:.2f} ms)")
+                cells.append(cell)
             lines.append(f"  {fqn or '(region)'}: " + " | ".join(cells))
     return "\n".join(lines)
 
