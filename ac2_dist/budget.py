@@ -24,32 +24,38 @@ Note [Calibrate, plan, replay the plan]
     picks the saved set; the plan is cached by structure (the sequence of ops and output
     shapes), so identical blocks share it and later steps pay no planning cost. A
     planned region answers each op from the plan after checking the op and its output
-    shape against it; at the first mismatch (new shapes, another code path) it
+    shape against it; at a mismatch it switches to another cached plan that agrees so
+    far (a structure seen before: other shapes, another dispatch path), and otherwise
     recomputes the rest and its next call calibrates again.
 
 Note [Cost model]
     The recompute cost of an op is a roofline estimate: ``max(flops / F, bytes / W)``
     seconds, FLOPs from ``torch.utils.flop_counter``'s registry (0 for ops it does not
-    know), bytes the op's tensor inputs and outputs, and ``F`` / ``W`` the FLOP rate of
-    a matmul and the bandwidth of an elementwise add measured once on this process's
-    device when the first plan is made. ``launch/bench_core.py --budgets`` prints the
-    plans' predicted recompute time beside the measured replay time.
+    know: they are costed by their bytes), bytes the op's tensor inputs and outputs,
+    and ``F`` / ``W`` fixed rates per device type (:data:`_NOMINAL_RATES`), not timed
+    in the process: the same budget and shapes give the same plan on every rank (a
+    replay that unshards a nested FSDP unit issues a collective, so plans that differ
+    between ranks could order collectives differently). Plans depend on the ratio
+    ``F / W``, not on the rates themselves. ``launch/bench_core.py --budgets`` prints
+    the plans' predicted recompute time beside the measured replay time.
 
 Note [The solver]
     Minimizing recompute cost under a byte budget with shared recompute chains is a
-    knapsack with interacting items. The solver walks one greedy path without a budget
-    -- each step saves the output with the best cost saved per byte added, evaluated
-    exactly on the dependency graph -- and then, for a budget, takes the cheapest
-    prefix of that path that fits, or the single best output that fits if that is
-    cheaper (for independent items this is the classic greedy with a factor-2
-    guarantee). Taking prefixes of one path makes the recompute cost monotone
-    (non-increasing) in the budget.
+    knapsack with interacting items. Every evaluation of a saved set is exact on the
+    recorded dependency graph (:meth:`_Problem.evaluate`). With at most
+    ``_EXACT_UP_TO`` candidate outputs (a block's heavy, recomputed, non-view ones) the
+    solver enumerates every subset: the optimum for the cost model, monotone in the
+    budget. With more it walks one greedy path without a budget -- each step saves the
+    output with the best cost saved per byte added -- takes the cheapest prefix that
+    fits, fills what is left of the budget the same greedy way, keeps the single best
+    output if that is cheaper (for independent items: the classic factor-2 greedy),
+    and then improves by local search (drop one saved output, refill). That part is a
+    heuristic without a bound.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +71,7 @@ __all__ = ["MemoryBudget", "Plan"]
 _CP = CheckpointPolicy
 _PS, _PR = _CP.PREFER_SAVE, _CP.PREFER_RECOMPUTE
 _MAX_CANDIDATES = 96  # outputs the solver considers saving (the heaviest recomputed ones)
+_EXACT_UP_TO = 12  # candidates up to which the solver enumerates every subset
 
 
 def _rank() -> int:
@@ -169,6 +176,21 @@ class MemoryBudget:
         with self._lock:
             return self._by_fqn.get(fqn)
 
+    def _switch(self, plan: Plan, k: int, key: tuple) -> Plan | None:
+        """A cached plan whose first ``k`` ops and decisions equal ``plan``'s and whose
+        op ``k`` is ``key`` (the same module called with another structure, e.g. under
+        another dispatch mode or with other shapes, already calibrated)."""
+        with self._lock:
+            for other in self._plans.values():
+                if (other is not plan and len(other.signature) > k and other.signature[k] == key
+                        and other.signature[:k] == plan.signature[:k] and other.decisions[:k] == plan.decisions[:k]):
+                    return other
+        return None
+
+    def _follow(self, fqn: str, plan: Plan) -> None:
+        with self._lock:
+            self._by_fqn[fqn] = plan
+
     def _forget(self, fqn: str) -> None:
         with self._lock:
             self._by_fqn.pop(fqn, None)
@@ -185,7 +207,7 @@ class MemoryBudget:
 
     def _cost_model(self, device: torch.device) -> _CostModel:
         if self._cost is None or self._cost.device != device:
-            self._cost = _CostModel.measure(device)
+            self._cost = _CostModel.for_device(device)
         return self._cost
 
     # ---- what was chosen ------------------------------------------------------------------
@@ -226,34 +248,15 @@ def _budget_of_bytes(nbytes: Any) -> MemoryBudget:
 
 @dataclass(frozen=True)
 class _CostModel:
-    """Roofline rates of this device (Note [Cost model])."""
+    """Roofline rates of a device type (Note [Cost model])."""
 
     device: torch.device
     flops_per_s: float
     bytes_per_s: float
 
     @classmethod
-    def measure(cls, device: torch.device) -> _CostModel:
-        def best(fn: Callable[[], Any], reps: int = 5) -> float:
-            fn()
-            times = []
-            for _ in range(reps):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                fn()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - t0)
-            return max(min(times), 1e-9)
-
-        with torch.no_grad():  # a private generator: the user's random stream is untouched
-            gen = torch.Generator(device=device).manual_seed(0)
-            n = 256
-            a = torch.randn(n, n, device=device, generator=gen)
-            flops = 2 * n**3 / best(lambda: a @ a)
-            v = torch.randn(1 << 21, device=device, generator=gen)
-            bandwidth = 3 * v.numel() * v.element_size() / best(lambda: v + v)
+    def for_device(cls, device: torch.device) -> _CostModel:
+        flops, bandwidth = _NOMINAL_RATES.get(device.type, _NOMINAL_RATES["cpu"])
         return cls(device, flops, bandwidth)
 
     def estimate(self, func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, float]:
@@ -268,6 +271,12 @@ class _CostModel:
                 flops = 0
         moved = _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
         return flops, max(flops / self.flops_per_s, moved / self.bytes_per_s)
+
+
+#: FLOP/s and bytes/s per device type (Note [Cost model]). CPU: measured on the
+#: development machine (2 cores, fp32: 2.2-2.5e11 FLOP/s for a 256^3 matmul, 4.9-6.1e10 B/s
+#: for an elementwise add); CUDA: an H100's dense fp32 rate and HBM bandwidth, rounded.
+_NOMINAL_RATES = {"cpu": (2.0e11, 5.0e10), "cuda": (5.0e13, 3.0e12)}
 
 
 def _tensor_bytes(tree: Any) -> int:
@@ -365,14 +374,67 @@ class _Problem:
         best_set, (best_mem, best_cost, _) = frozenset(), self.evaluate(frozenset())
         if best_mem > limit:
             return best_set  # the floor itself: nothing can be saved
+        if len(self.candidates) <= _EXACT_UP_TO:
+            return self._exact(limit)
         for chosen, mem, cost in self._greedy_path():
             if mem <= limit and cost < best_cost:
-                best_set, best_cost = chosen, cost
+                best_set, best_mem, best_cost = chosen, mem, cost
+        best_set, best_cost = self._fill(best_set, best_mem, best_cost, limit)
         for c in self.candidates:
             mem, cost, _ = self.evaluate(frozenset((c,)))
             if mem <= limit and cost < best_cost:
                 best_set, best_cost = frozenset((c,)), cost
+        return self._improve(best_set, best_cost, limit)
+
+    def _exact(self, limit: int) -> frozenset[int]:
+        """The cheapest saved set within ``limit`` among all subsets of the candidates
+        (small graphs: at most 2 ** _EXACT_UP_TO evaluations)."""
+        best_set, best_key = frozenset(), None
+        cands = self.candidates
+        for mask in range(1 << len(cands)):
+            chosen = frozenset(c for i, c in enumerate(cands) if mask >> i & 1)
+            mem, cost, _ = self.evaluate(chosen)
+            if mem > limit:
+                continue
+            key = (cost, mem)
+            if best_key is None or key < best_key:
+                best_set, best_key = chosen, key
         return best_set
+
+    def _improve(self, chosen: frozenset[int], cost: float, limit: int) -> frozenset[int]:
+        """Local search: drop one saved output and refill the budget; keep improvements
+        (a greedy pick that blocked better combinations gets undone)."""
+        improved = True
+        while improved:
+            improved = False
+            for c in sorted(chosen):
+                rest = chosen - {c}
+                mem, k, _ = self.evaluate(rest)
+                candidate, k = self._fill(rest, mem, k, limit, skip=c)
+                if k < cost - 1e-12:
+                    chosen, cost, improved = candidate, k, True
+                    break
+        return chosen
+
+    def _fill(self, chosen: frozenset[int], mem: int, cost: float, limit: int,
+              skip: int | None = None) -> tuple[frozenset[int], float]:
+        """Add outputs that still fit, best cost saved per byte first (the prefix of the
+        greedy path stops at the first output that does not fit; smaller ones may)."""
+        while True:
+            best = None
+            for c in self.candidates:
+                if c in chosen or c == skip:
+                    continue
+                m, k, _ = self.evaluate(chosen | {c})
+                if m > limit or k >= cost:
+                    continue
+                ratio = (cost - k) / max(m - mem, 1)
+                if best is None or ratio > best[0]:
+                    best = (ratio, c, m, k)
+            if best is None:
+                return chosen, cost
+            _, c, mem, cost = best
+            chosen = chosen | {c}
 
     def _greedy_path(self) -> list[tuple[frozenset[int], int, float]]:
         path = []
@@ -448,9 +510,14 @@ class _BudgetRegion:
             return _PR
         if self.diverged:
             return _PR
-        if k < len(plan.signature) and plan.signature[k] == (op, shape):
+        key = (op, shape)
+        if k < len(plan.signature) and plan.signature[k] == key:
             return plan.decisions[k]
-        self.diverged = True  # another structure: recompute the rest, calibrate next time
+        other = self.budget._switch(plan, k, key)
+        if other is not None:  # another cached structure that agrees so far: follow it
+            self.plan = other
+            return other.decisions[k]
+        self.diverged = True  # an unknown structure: recompute the rest, calibrate next time
         return _PR
 
     # ---- region hooks (Note [Region-scoped policies] in _policy.py) ------------------------
@@ -487,6 +554,8 @@ class _BudgetRegion:
         if self.plan is not None:
             if self.diverged:
                 self.budget._forget(self.fqn)
+            else:
+                self.budget._follow(self.fqn, self.plan)  # it may have switched plans
             return
         graph.observer = self.previous_observer
         if failed:

@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="bench-out")
     p.add_argument("--png", action="store_true", help="also write bench.png (ac2 modes' reports)")
     p.add_argument("--compile", action="store_true", help="torch.compile every block of every mode")
+    p.add_argument("--budgets", default="", help="also ac2_dist.MemoryBudget modes at these fractions, e.g. 0,0.5,1")
     args = p.parse_args(argv)
     device = init_distributed()
     clean, mesh = False, None
@@ -177,14 +178,14 @@ def bench(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> N
 
     The models (they reference the process group) live in this call only.
     """
-    modes = args.modes.split(",")
+    modes = args.modes.split(",") + [f"ac2-budget-{f}" for f in args.budgets.split(",") if f]
     rank = dist.get_rank()
     data = batches(corpus(), args.batch, args.seq, args.seed, rank)
     x, y = (t.to(device) for t in next(data))
     models = {mode: _build(args, mode, mesh, device) for mode in modes}
     mine = {"rank": rank, "device": device.type, "modes": {}}
     for mode in modes:
-        _step(models[mode], x, y)  # lazy init, first all-gathers
+        _step(models[mode], x, y)  # lazy init, first all-gathers; a MemoryBudget calibrates
         mine["modes"][mode] = _measure_mode(models[mode], x, y, args.compile)
 
     def sync() -> None:

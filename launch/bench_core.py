@@ -202,6 +202,164 @@ def tracer_overhead_us(n_ops: int = 3000, reps: int = 5) -> dict[str, float]:
     return {name: (best(fn) - eager) / n_ops * 1e6 for name, fn in cases.items()}
 
 
+def _compiled_recompute_flops(model: nn.Module, x: torch.Tensor, fraction: float) -> int:
+    """Backward FLOPs of ``model`` compiled with torch's memory-budget partitioner at
+    ``fraction`` (AOTAutograd + the min-cut partitioner Inductor uses; the partitioned
+    graphs run eagerly so FlopCounterMode sees their ops)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    counted = {"bw": 0}
+
+    def backend(gm, example_inputs):
+        def fw(g, inputs):
+            return make_boxed_func(g.forward)
+
+        def bw(g, inputs):
+            def run(args):
+                counter = FlopCounterMode(display=False)
+                with counter:
+                    out = g(*args)
+                counted["bw"] += counter.get_total_flops()
+                return out
+
+            run._boxed_call = True
+            return run
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw, bw_compiler=bw,
+                                     partition_fn=min_cut_rematerialization_partition)
+
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(activation_memory_budget=fraction, enable_autograd_cache=False):
+        compiled = torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True)
+        forward(compiled, x).backward()
+    torch._dynamo.reset()
+    return counted["bw"]
+
+
+def _inductor_with_budget(fraction: float) -> Callable:
+    """Inductor with torch's memory-budget partitioner at ``fraction`` (a distinct backend
+    object: modules of one class otherwise share one compiled graph)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
+        with torch._functorch.config.patch(activation_memory_budget=fraction, enable_autograd_cache=False), \
+                torch._inductor.config.patch(fx_graph_cache=False):
+            return compile_fx(gm, example_inputs)
+
+    return backend
+
+
+def budget_sweep(args: argparse.Namespace) -> dict:
+    """ac2_dist.MemoryBudget at several fractions beside no AC, torch full AC, torch SAC and
+    torch compile's own memory-budget partitioner at the same fractions (Inductor)."""
+    fractions = [float(f) for f in args.budgets.split(",")]
+    torch.manual_seed(0)
+    base = _gpt(args)
+    x = torch.randn(args.batch, args.seq, args.dim, requires_grad=True)
+    models = {m: checkpointed(base, m, (GPTBlock,)) for m in ("no-ac", "torch-full", "torch-sac")}
+    budgets = {}
+    for f in fractions:
+        budgets[f] = ac.MemoryBudget(f)
+        models[f"ac2-budget-{f}"] = ac.apply_ac(copy.deepcopy(base), budgets[f], modules=[GPTBlock])
+        step(models[f"ac2-budget-{f}"], x)  # calibration
+    # Compile's recompute FLOPs first: counting them resets dynamo.
+    compiled_flops = {f: _compiled_recompute_flops(base, x, f) for f in fractions}
+    torch._dynamo.reset()
+    for f in fractions:  # a backend of its own per budget: dynamo does not share the graphs
+        compiled = torch.compile(copy.deepcopy(base), backend=_inductor_with_budget(f), fullgraph=True)
+        step(compiled, x)
+        models[f"compile-budget-{f}"] = compiled
+    results: dict[str, dict] = {}
+    no_ac_flops = measure_flops(models["no-ac"], x)
+    for m, model in models.items():
+        results[m] = measure_memory(model, x)
+        if m.startswith("compile-budget-"):
+            flops = compiled_flops[float(m[len("compile-budget-"):])]
+        else:
+            if m.startswith("ac2-budget-"):
+                # Ops dispatch differently under FlopCounterMode (layer_norm decomposes):
+                # the first count calibrates that structure, the second follows its plan.
+                measure_flops(model, x)
+            flops = measure_flops(model, x)
+        results[m]["recompute_flops"] = flops - no_ac_flops
+    for f, budget in budgets.items():
+        model = models[f"ac2-budget-{f}"]
+        predicted = sum(budget.plan(f"blocks.{i}").recompute_seconds for i in range(args.layers))
+        measured = []
+        for _ in range(3):
+            with ac.memory.track(model) as tracker:
+                forward(model, x).backward()
+            measured.append(tracker.report().replay_seconds)
+        results[f"ac2-budget-{f}"]["predicted_recompute_s"] = predicted
+        results[f"ac2-budget-{f}"]["measured_replay_s"] = statistics.median(measured)
+    times = timed_rounds({m: functools.partial(step, model, x) for m, model in models.items()}, args.rounds,
+                         args.warmup)
+    for m in models:
+        results[m]["step_seconds_median"] = statistics.median(times[m])
+        results[m]["step_seconds_all"] = times[m]
+    mib = 1 / 2**20
+    print(f"\n[budget sweep] {args.layers} GPT blocks, D={args.dim}, T={args.seq}, B={args.batch}")
+    print(f"{'mode':<22} {'peak MiB':>9} {'kept MiB':>9} {'recompute GFLOP':>16} {'step s':>8}  "
+          "predicted / measured recompute ms")
+    for m, r in results.items():
+        extra = ""
+        if "predicted_recompute_s" in r:
+            extra = f"  {r['predicted_recompute_s'] * 1e3:.2f} / {r['measured_replay_s'] * 1e3:.2f}"
+        print(f"{m:<22} {r['peak_bytes'] * mib:9.1f} {r['kept_after_forward_bytes'] * mib:9.1f} "
+              f"{r['recompute_flops'] / 1e9:16.2f} {r['step_seconds_median']:8.3f}{extra}")
+    comparisons = {}
+    for f in fractions:
+        a, c = results[f"ac2-budget-{f}"], results[f"compile-budget-{f}"]
+        comparisons[f] = {"recompute_flops_vs_compile": (a["recompute_flops"] / c["recompute_flops"]
+                                                         if c["recompute_flops"] else None),
+                          "peak_vs_compile": a["peak_bytes"] / c["peak_bytes"],
+                          "step_vs_compile": ratio_stats(times[f"ac2-budget-{f}"], times[f"compile-budget-{f}"])}
+        cf = comparisons[f]
+        ratio = "n/a (compile recomputes nothing)" if cf["recompute_flops_vs_compile"] is None else f"{cf['recompute_flops_vs_compile']:.3f}x"
+        print(f"fraction {f}: ac2 / compile recompute FLOPs {ratio}, peak {cf['peak_vs_compile']:.3f}x")
+    sac = results["torch-sac"]
+    within = [f for f in fractions if results[f"ac2-budget-{f}"]["peak_bytes"] <= sac["peak_bytes"]]
+    at_sac = None
+    if within:
+        f = max(within, key=lambda f: results[f"ac2-budget-{f}"]["peak_bytes"])
+        at_sac = {"fraction": f, "peak_vs_sac": results[f"ac2-budget-{f}"]["peak_bytes"] / sac["peak_bytes"],
+                  "step_vs_sac": ratio_stats(times[f"ac2-budget-{f}"], times["torch-sac"])}
+        st = at_sac["step_vs_sac"]
+        print(f"at torch SAC's peak ({sac['peak_bytes'] * mib:.1f} MiB): budget {f} peaks at "
+              f"{at_sac['peak_vs_sac']:.3f}x, step {st['median']:.3f}x ({st['min']:.3f}-{st['max']:.3f}) of torch SAC")
+    if args.png:
+        _pareto_png(results, args.png)
+        print(f"wrote {args.png}")
+    return {"modes": results, "vs_compile": comparisons, "at_torch_sac": at_sac}
+
+
+def _pareto_png(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    style = {"ac2 budget": ("o", "tab:blue"), "compile budget": ("s", "tab:orange"), "no-ac": ("^", "tab:gray"),
+             "torch-full": ("^", "tab:green"), "torch-sac": ("v", "tab:green")}
+    for m, r in results.items():
+        kind = "ac2 budget" if m.startswith("ac2-budget") else "compile budget" if m.startswith("compile") else m
+        marker, color = style.get(kind, ("^", "tab:red"))
+        ax.scatter(r["step_seconds_median"], r["peak_bytes"] / 2**20, marker=marker, color=color, label=kind)
+        ax.annotate(m.replace("-budget-", " "), (r["step_seconds_median"], r["peak_bytes"] / 2**20), fontsize=7)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=8)
+    ax.set_xlabel("step time (s, median)")
+    ax.set_ylabel("peak memory (MiB)")
+    ax.set_title("peak memory vs step time: one point per mode")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def run_workload(name: str, args: argparse.Namespace, modes: list[str]) -> dict:
     """Memory, FLOPs and interleaved step times of one workload; its ac2/torch ratios."""
     build, types, rng, supported = WORKLOADS[name]
@@ -272,6 +430,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-micro", action="store_true", help="skip the per-op overhead micro-benchmark")
     p.add_argument("--compile", action="store_true", help="also run every mode compiled (<mode>@compiled)")
     p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--budgets", default="", help="run the MemoryBudget sweep at these fractions (gpt workload), "
+                   "e.g. 0,0.25,0.5,0.75,1; with torch compile's activation_memory_budget beside it")
+    p.add_argument("--png", default=None, help="with --budgets: write the peak-vs-step-time plot here")
     args = p.parse_args(argv)
     modes = args.modes.split(",")
     unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
@@ -280,6 +441,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"bench_core: {args.layers} blocks, D={args.dim}, T={args.seq}, B={args.batch}, {args.rounds} rounds, "
           f"CPU threads={torch.get_num_threads()}, torch {torch.__version__}, {platform.machine()}")
+    if args.budgets:
+        out = {"config": vars(args), "budget_sweep": budget_sweep(args), "torch": torch.__version__}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
+        return out
     workloads = {}
     for name in args.workloads.split(","):
         workloads[name] = run_workload(name, args, modes)

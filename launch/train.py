@@ -71,7 +71,10 @@ def batches(data: torch.Tensor, batch: int, seq: int, seed: int, rank: int):
 
 
 def apply_checkpointing(model: Llama, mode: str) -> None:
-    if mode in ("ac2-full", "ac2-sac"):
+    """``mode``: one of AC_MODES, or ``ac2-budget-<fraction>`` (an ac2_dist.MemoryBudget)."""
+    if mode.startswith("ac2-budget-"):
+        ac.apply_ac(model, ac.MemoryBudget(float(mode[len("ac2-budget-"):])), modules=[LlamaBlock])
+    elif mode in ("ac2-full", "ac2-sac"):
         ac.apply_ac(model, "recompute_all" if mode == "ac2-full" else SAVE_OPS, modules=[LlamaBlock])
     elif mode in ("torch-full", "torch-sac"):
         kwargs = {"use_reentrant": False}
@@ -101,7 +104,9 @@ def compile_blocks(model: Llama, backend: str = "inductor") -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ac", choices=AC_MODES, default="ac2-full", help="activation checkpointing per block")
+    p.add_argument("--ac", choices=[*AC_MODES, "ac2-budget"], default="ac2-full",
+                   help="activation checkpointing per block (ac2-budget: ac2_dist.MemoryBudget(--budget))")
+    p.add_argument("--budget", type=float, default=0.5, help="the fraction of --ac ac2-budget")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=128)
@@ -185,7 +190,7 @@ def train(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> f
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = Llama(vocab=256, dim=args.dim, layers=args.layers, heads=args.heads, max_seq=args.seq).to(device)
-    apply_checkpointing(model, args.ac)
+    apply_checkpointing(model, f"ac2-budget-{args.budget}" if args.ac == "ac2-budget" else args.ac)
     if args.compile:
         compile_blocks(model)
     for block in model.layers:

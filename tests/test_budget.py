@@ -105,16 +105,20 @@ def test_plan_is_cached_and_recalibrated_when_shapes_change():
     plan = budget.plan("blocks.0")
     assert plan is not None and budget.plan("blocks.1") is plan and budget.plans_made == 1
     for _ in range(3):
-        _step(model, loss_fn, x)
+        first, _, _ = _step(model, loss_fn, x)
     assert budget.plans_made == 1 and budget.plan("blocks.0") is plan  # no planning after the first step
     longer = torch.randn(2, 48, 64)
     report, _, _ = _step(model, loss_fn, longer)  # diverges from the plan: recomputes, re-plans next call
     assert budget.plan("blocks.0") is None
     _step(model, loss_fn, longer)
     assert budget.plans_made == 2 and budget.plan("blocks.0") is not plan
-    _step(model, loss_fn, x)  # back to the first shape: a new calibration finds the cached plan
-    _step(model, loss_fn, x)
+    planned, _, _ = _step(model, loss_fn, x)  # back to the first shape: switches to its cached plan
     assert budget.plans_made == 2 and budget.plan("blocks.0") is plan
+    assert planned.recomputed_bytes == first.recomputed_bytes  # followed, not recalibrated
+    _step(model, loss_fn, longer)  # and back again: no calibration either way
+    again, _, _ = _step(model, loss_fn, x)
+    assert budget.plans_made == 2 and budget.plan("blocks.0") is plan
+    assert again.recomputed_bytes == first.recomputed_bytes
 
 
 def test_format_plan_and_report_show_the_budget():

@@ -107,3 +107,21 @@ def test_bench_hf_runs():
     for mode in ("ac2-hf-enable", "ac2-apply_ac"):
         assert results[mode]["kept_after_forward_bytes"] <= results["hf-torch"]["kept_after_forward_bytes"]
         assert results[mode]["peak_bytes"] <= results["hf-torch"]["peak_bytes"]
+
+
+@pytest.mark.slow
+def test_bench_core_budget_sweep(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import bench_core
+
+    png = os.path.join(tmp_path, "pareto.png")
+    out = bench_core.main(["--layers", "1", "--dim", "32", "--heads", "4", "--seq", "16", "--batch", "2",
+                           "--rounds", "1", "--warmup", "0", "--budgets", "0,1", "--png", png])
+    modes = out["budget_sweep"]["modes"]
+    assert set(modes) == {"no-ac", "torch-full", "torch-sac", "ac2-budget-0.0", "ac2-budget-1.0",
+                          "compile-budget-0.0", "compile-budget-1.0"}
+    assert modes["ac2-budget-0.0"]["recompute_flops"] == modes["torch-full"]["recompute_flops"] > 0
+    assert modes["ac2-budget-1.0"]["recompute_flops"] == 0
+    assert modes["ac2-budget-0.0"]["predicted_recompute_s"] > 0
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
