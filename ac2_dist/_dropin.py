@@ -42,7 +42,13 @@ from torch.utils.checkpoint import (
 
 from ._policy import PolicyLike, PolicySource
 from ._region import _eager_region
-from .compile import checkpoint_compiled, is_compiling, policy_context_fn
+from .compile import (
+    checkpoint_compiled,
+    is_compiling,
+    is_region_scoped,
+    policy_context_fn,
+    refuse_budget_compiled,
+)
 
 __all__ = ["checkpoint", "checkpoint_sequential", "is_ac2_checkpoint"]
 
@@ -121,6 +127,8 @@ def checkpoint(
         else:
             return _with_context_fn(function, args, kwargs, context_fn, rng, allow_cache_entry_mutation)
     if is_compiling():
+        if is_region_scoped(policy):
+            refuse_budget_compiled()
         context = policy_context_fn(policy, policy_factory, rng, allow_cache_entry_mutation)
         return checkpoint_compiled(function, context, *args, **kwargs)
     source = PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow_cache_entry_mutation,

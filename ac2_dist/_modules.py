@@ -40,7 +40,13 @@ import torch.nn as nn
 from ._dropin import is_ac2_checkpoint
 from ._policy import PolicyLike, PolicySource
 from ._region import _thread_state, apply_ac_policy
-from .compile import announce_eager_only, checkpoint_compiled, is_compiling, source_context_fn
+from .compile import (
+    announce_eager_only,
+    checkpoint_compiled,
+    is_compiling,
+    refuse_budget_compiled,
+    source_context_fn,
+)
 from .fsdp import is_fsdp_unit, unsharded_params
 from .replay import ReplayConfig, check_replay, trace_range
 
@@ -71,6 +77,8 @@ class _CheckpointedForward:
             raise RuntimeError("ac2_dist: the checkpointed module this forward belongs to was freed")
         previous = self.previous
         if is_compiling():  # traced by dynamo: one checkpointed region of the compiled graph
+            if self.source.frame is not None and self.source.frame.per_region is not None:
+                refuse_budget_compiled()
             if self.config.explicit_scheduling():
                 announce_eager_only("an explicit ReplayConfig (side stream, prefetch)")
             if previous is not None:

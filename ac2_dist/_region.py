@@ -52,7 +52,15 @@ import torch
 from ._graph import Graph, GraphStats, unpack_handle
 from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, PolicySource, _Frame, is_save
 from ._tracer import Tracer
-from .compile import checkpoint_compiled, in_eager_fallback, policy_context_fn, skip_dynamo, tagged
+from .compile import (
+    checkpoint_compiled,
+    in_eager_fallback,
+    is_region_scoped,
+    policy_context_fn,
+    refuse_budget_compiled,
+    skip_dynamo,
+    tagged,
+)
 from .fsdp import is_fsdp_unit, unsharded_params
 from .replay import ReplayConfig, check_replay
 
@@ -298,6 +306,8 @@ def apply_ac_policy_fn(
     with the same policy (no graph break; Note [Regions inside compiled code]).
     """
     if _compiling():  # the policy is built when AOTAutograd asks (compile.policy_context_fn)
+        if is_region_scoped(policy_fn):
+            refuse_budget_compiled()
         context_fn = policy_context_fn(policy_fn, policy_factory, rng, allow_cache_entry_mutation)
         return checkpoint_compiled(fn, context_fn, *args, **kwargs)
     source = PolicySource(policy_fn, policy_factory, rng=rng, allow_mutation=allow_cache_entry_mutation,

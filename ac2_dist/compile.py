@@ -104,6 +104,27 @@ def announce_eager_only(what: str) -> bool:
     return True
 
 
+_BUDGET_REFUSED = (
+    "ac2_dist.MemoryBudget plans from ac2's eager graph and cannot run inside torch.compile; for "
+    "compiled blocks use torch._functorch.config.activation_memory_budget (torch's own memory-budget "
+    "partitioner), or do not compile these blocks"
+)
+
+
+@torch.compiler.disable(reason=_BUDGET_REFUSED)
+def refuse_budget_compiled() -> None:
+    """Refuse a MemoryBudget region while dynamo traces, before torch's checkpoint starts
+    (an error raised from inside its selective-checkpoint mode leaves that mode on the
+    dispatch stack in torch < 2.13): a graph break whose reason (the fullgraph error) and
+    error (otherwise) say why."""
+    raise RuntimeError(_BUDGET_REFUSED)
+
+
+def is_region_scoped(policy: Any) -> bool:
+    """A policy planned per region from the eager graph (a MemoryBudget)."""
+    return hasattr(policy, "new_region_policy")
+
+
 def is_compiling() -> bool:
     """True while dynamo traces the calling frame (then ac2 takes the compiled path)."""
     return torch.compiler.is_compiling()

@@ -261,6 +261,24 @@ def test_random_ops_are_saved_not_recomputed_in_the_compiled_backward():
 # ---- eager-only features: refused or announced --------------------------------------------
 
 
+def _drop_leaked_sac_modes() -> int:
+    """torch < 2.13 leaves its selective-checkpoint dispatch mode on the stack when a policy
+    raises while AOTAutograd traces; later ops of the process would all go through it."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
+    from torch.utils.checkpoint import _CachingTorchDispatchMode
+
+    leaked = 0
+    while _get_current_dispatch_mode_stack() and isinstance(_get_current_dispatch_mode_stack()[-1],
+                                                            _CachingTorchDispatchMode):
+        _pop_mode()
+        leaked += 1
+    return leaked
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (major, minor)
+
+
 def test_eager_only_features_are_refused_or_announced():
     hooks = ac.SAVE_WITH_HOOKS(lambda t: t, lambda t: t)
     x = torch.randn(4, 16, requires_grad=True)
@@ -271,6 +289,8 @@ def test_eager_only_features_are_refused_or_announced():
     _reset()
     with pytest.raises(Exception, match="SAVE_WITH_HOOKS and CPU offload run only in eager mode"):
         torch.compile(ac.wrap(_Tagged(False), offload_policy), backend="aot_eager")(x).sum().backward()
+    leaked = _drop_leaked_sac_modes()
+    assert leaked == 0 or not _torch_at_least(2, 13)
 
     class HookTag(_Tagged):
         def forward(self, x):
