@@ -105,10 +105,11 @@ def _rng_device(args: tuple, kwargs: dict) -> torch.device:
     return torch.device(dev) if dev is not None else torch.device("cpu")
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``a`` and ``b`` use the same (non-empty) storage; False for tensors without one."""
+def _same_start(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` starts where ``b``'s (non-empty) data starts: ``a`` aliases ``b`` (what an
+    ``_unsafe_view`` output does). False for tensors without data."""
     try:
-        return b.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        return a.data_ptr() == b.data_ptr() and b.numel() > 0
     except (RuntimeError, NotImplementedError):  # no storage (e.g. wrapper tensors of collectives)
         return False
 
@@ -302,7 +303,7 @@ class Tracer(TorchDispatchMode):
                     )
         if (
             single and src is None and not writes and not types and not info.returns_alias and args
-            and isinstance(args[0], _Tensor) and _same_storage(out, args[0])
+            and isinstance(args[0], _Tensor) and _same_start(out, args[0])
         ):  # Note [Aliases a schema does not declare]
             e = gmap.get(args[0])
             if e is None:
