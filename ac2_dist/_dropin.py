@@ -41,13 +41,9 @@ from torch.utils.checkpoint import (
 )
 
 from ._policy import PolicyLike, PolicySource
-from ._region import _eager_region
+from ._region import eager_region, function_region
 from .compile import (
-    checkpoint_compiled,
     is_compiling,
-    is_region_scoped,
-    policy_context_fn,
-    refuse_budget_compiled,
 )
 
 __all__ = ["checkpoint", "checkpoint_sequential", "is_ac2_checkpoint"]
@@ -126,14 +122,8 @@ def checkpoint(
             policy_factory = functools.partial(_policy_of_context_fn, context_fn)
         else:
             return _with_context_fn(function, args, kwargs, context_fn, rng, allow_cache_entry_mutation)
-    if is_compiling():
-        if is_region_scoped(policy):
-            refuse_budget_compiled()
-        context = policy_context_fn(policy, policy_factory, rng, allow_cache_entry_mutation)
-        return checkpoint_compiled(function, context, *args, **kwargs)
-    source = PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow_cache_entry_mutation,
-                          module_fqn="", where="checkpoint")
-    return _eager_region(function, source, args, kwargs)
+    return function_region(function, args, kwargs, policy, policy_factory, rng, allow_cache_entry_mutation,
+                           "checkpoint")
 
 
 def _with_context_fn(function, args, kwargs, context_fn, rng, allow_mutation) -> Any:
@@ -148,9 +138,9 @@ def _with_context_fn(function, args, kwargs, context_fn, rng, allow_mutation) ->
         policy = forward_ctx.policy_fn
         source = PolicySource(policy, None, rng=rng, allow_mutation=allow_mutation, module_fqn="",
                               where="checkpoint")
-        return _eager_region(function, source, args, kwargs)
+        return eager_region(function, source, args, kwargs)
     source = PolicySource(None, None, rng=rng, allow_mutation=allow_mutation, module_fqn="", where="checkpoint")
-    return _eager_region(_entered(forward_ctx, function), source, args, kwargs)
+    return eager_region(_entered(forward_ctx, function), source, args, kwargs)
 
 
 def _policy_of_context_fn(context_fn: Callable[[], tuple[Any, Any]]) -> Any:

@@ -305,18 +305,26 @@ def apply_ac_policy_fn(
     ``torch.compile`` the call becomes one checkpointed region of the compiled graph
     with the same policy (no graph break; Note [Regions inside compiled code]).
     """
+    return function_region(fn, args, kwargs, policy_fn, policy_factory, rng, allow_cache_entry_mutation,
+                           "apply_ac_policy_fn")
+
+
+def function_region(fn: Callable[..., T], args: tuple, kwargs: dict, policy: Any, policy_factory: Any,
+                    rng: str, allow_mutation: bool, where: str) -> T:
+    """``fn(*args, **kwargs)`` in a function region: eager, or inside ``torch.compile`` one
+    checkpointed region of the compiled graph (Note [Regions inside compiled code])."""
     if _compiling():  # the policy is built when AOTAutograd asks (compile.policy_context_fn)
-        if is_region_scoped(policy_fn):
+        if is_region_scoped(policy):
             refuse_budget_compiled()
-        context_fn = policy_context_fn(policy_fn, policy_factory, rng, allow_cache_entry_mutation)
+        context_fn = policy_context_fn(policy, policy_factory, rng, allow_mutation)
         return checkpoint_compiled(fn, context_fn, *args, **kwargs)
-    source = PolicySource(policy_fn, policy_factory, rng=rng, allow_mutation=allow_cache_entry_mutation,
-                          module_fqn="", where="apply_ac_policy_fn")
-    return _eager_region(fn, source, args, kwargs)
+    source = PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow_mutation, module_fqn="",
+                          where=where)
+    return eager_region(fn, source, args, kwargs)
 
 
-def _eager_region(fn: Callable[..., T], source: PolicySource, args: tuple, kwargs: dict) -> T:
-    """``fn(*args, **kwargs)`` in a function region (a fresh frame from ``source``)."""
+def eager_region(fn: Callable[..., T], source: PolicySource, args: tuple, kwargs: dict) -> T:
+    """``fn(*args, **kwargs)`` in an eager function region (a fresh frame from ``source``)."""
     with apply_ac_policy._from_frame(source.new_frame(), check_replay(None), module_region=False):
         return fn(*args, **kwargs)
 

@@ -131,24 +131,7 @@ def is_compiling() -> bool:
 
 
 class CompiledPolicy:
-    """ac2's policy as a torch selective-checkpoint policy (Note [Tags inside compiled code]
-    ``tag_with_policy(t, p)`` marks ``t``'s node in the eager graph. A compiled graph
-    has no such node to mark at trace time, so inside compiled code the call returns
-    ``torch.ops.ac2_dist.tagged(t, must)`` (a copy of ``t`` whose gradient passes
-    through) and :class:`CompiledPolicy` answers ``MUST_SAVE`` / ``PREFER_SAVE`` for
-    it: the partitioner saves that value. Use the returned tensor: if only ``t`` is
-    used afterwards, the tag is dead code and has no effect (eager code may ignore the
-    return value, compiled code may not).
-
-Note [What only eager ac2 does]
-    ``SAVE_WITH_HOOKS`` and CPU offload need ac2's own saved values: a policy returning
-    them inside compiled code is an error naming the op. Replay scheduling (side
-    stream, prefetch) and ``memory.track``'s per-region figures belong to ac2's eager
-    replays: inside compiled code the compiled backward recomputes, an explicit
-    ``ReplayConfig`` is ignored with a warning (once per process), and ``memory.track``
-    counts compiled blocks in its allocator figures only (peaks, bytes kept).
-
-Note [One policy, two executors])."""
+    """ac2's policy as a torch selective-checkpoint policy (Note [One policy, two executors])."""
 
     def __init__(self, frames: list[_Frame]) -> None:
         self.frames = list(frames)
