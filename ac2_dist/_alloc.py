@@ -143,11 +143,6 @@ class AllocationTrace:
         self.whole.end_bytes = live
 
 
-def _device_type(e: Any) -> str:
-    dt = e.device_type()
-    return "cuda" if dt == torch.autograd.DeviceType.CUDA else "cpu"
-
-
 def _walk(roots: list[Any]) -> Iterator[Any]:
     """Every event of a profiler event tree, parents before children, siblings in order."""
     stack = list(reversed(roots))

@@ -290,8 +290,8 @@ class Node:
         # storage its output shares, and whether another node's output shares its storage.
         self.alias_of: tuple[Node, int] | None = None
         self.aliased = False
-        # a view of one of its outputs was recorded, or it shares storage with another
-        # recorded value (Note [Aliases a schema does not declare] in _tracer.py)
+        # a view of one of its outputs was recorded, or its output aliases a value the
+        # region did not record (Note [Aliases a schema does not declare] in _tracer.py)
         self.viewed = False
         # Input positions this (recomputable) op writes in place (Note [Replaying writes
         # to fresh tensors]); () for ops that write nothing.
@@ -649,15 +649,20 @@ class Graph:
     def realize(self, node: Node, idx: int) -> Any:
         """Value of ``node[idx]``, replaying what is missing from the nearest saved values."""
         if not node.has_value(idx):
-            if node.cut:
-                self._fill_cut(node)
-            else:
-                for n in self._missing(node):
-                    if n.cut:
-                        self._fill_cut(n)
-                    else:
-                        self._run(n)
+            self._replay(node)
         return self.take(node, idx)
+
+    def _replay(self, node: Node) -> None:
+        """Compute ``node``'s outputs through the normal (pending-use) path: replay what is
+        missing in program order, filling cut nodes from their private replays."""
+        if node.cut:
+            self._fill_cut(node)
+            return
+        for n in self._missing(node):
+            if n.cut:
+                self._fill_cut(n)
+            else:
+                self._run(n)
 
     @staticmethod
     def _missing(node: Node) -> list[Node]:
@@ -790,11 +795,7 @@ class Graph:
             i = chain.cursor
             j = chain.nodes[i]
             if j.scheduled and j.values is None:
-                for n in self._missing(j):  # needed by backward: the normal path
-                    if n.cut:
-                        self._fill_cut(n)
-                    else:
-                        self._run(n)
+                self._replay(j)  # needed by backward: the normal path
             else:
                 self._private(j)  # for its effect on the generator only
             if chain.cursor <= i:

@@ -58,8 +58,12 @@ from .compile import (
     is_region_scoped,
     policy_context_fn,
     refuse_budget_compiled,
+    refuse_compiled_tag,
     skip_dynamo,
     tagged,
+)
+from .compile import (
+    is_compiling as _compiling,
 )
 from .fsdp import is_fsdp_unit, unsharded_params
 from .replay import ReplayConfig, check_replay
@@ -73,7 +77,6 @@ __all__ = [
 
 T = TypeVar("T")
 _CP = torch.utils.checkpoint.CheckpointPolicy
-_compiling = torch.compiler.is_compiling
 _COMPILED_REGION = (
     "ac2_dist: a `with ac2_dist.apply_ac_policy(...)` block inside torch.compile is a graph "
     "break: the block runs eagerly as an ac2 region (dynamo may run the whole function that "
@@ -334,19 +337,6 @@ def is_checkpoint_enabled() -> bool:
     return bool(_thread_state().frames)
 
 
-_EAGER_ONLY_TAG = (
-    "ac2_dist.tag_with_policy with SAVE_WITH_HOOKS or a CPU-offload policy is eager-only; inside "
-    "torch.compile tag with MUST_SAVE or PREFER_SAVE, or do not compile this block"
-)
-
-
-@torch.compiler.disable(reason=_EAGER_ONLY_TAG)
-def _refuse_compiled_tag(policy: Any) -> None:
-    """A graph break whose reason (the fullgraph=True error) and error (otherwise, when
-    the call runs) say what is refused (Note [What only eager ac2 does] in compile.py)."""
-    raise RuntimeError(f"{_EAGER_ONLY_TAG} (got {policy!r})")
-
-
 def tag_with_policy(
     t: torch.Tensor, policy: _CP | bool | SAVE_WITH_HOOKS = _CP.MUST_SAVE
 ) -> torch.Tensor:
@@ -373,12 +363,12 @@ def tag_with_policy(
     eager_only = not (policy is _CP.MUST_SAVE or policy is _CP.PREFER_SAVE)
     if _compiling():
         if eager_only:
-            _refuse_compiled_tag(policy)
+            refuse_compiled_tag(policy)
         return tagged(t, policy is _CP.MUST_SAVE)
     st = _thread_state()
     if st.graph is None:
         if eager_only and in_eager_fallback():  # Note [Dynamo fallback of a compiled region]
-            raise RuntimeError(f"{_EAGER_ONLY_TAG} (got {policy!r})")
+            refuse_compiled_tag(policy)
         return t
     st.graph.tag(t, policy, st.frames[-1].allow_mutation)
     return t

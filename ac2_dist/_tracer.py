@@ -75,6 +75,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._graph import Graph, Node, Saved, alias, flatten_outputs, version_of
 from ._policy import PolicyContext, is_save, resolve
+from .compile import is_compiling as _compiling
 from .compile import skip_dynamo as _skip_dynamo
 from .replay import default_generator
 from .side_effects import _INFO, SideEffect, hop_writes, op_info
@@ -87,7 +88,6 @@ except ImportError:  # torch built without distributed
 _CP = torch.utils.checkpoint.CheckpointPolicy
 _Tensor = torch.Tensor
 _inference_mode = torch.is_inference_mode_enabled
-_compiling = torch.compiler.is_compiling
 _NONE = SideEffect.NONE
 _MUTATION = SideEffect.MUTATION
 _COMMUNICATING = (SideEffect.COLLECTIVE, SideEffect.FSDP, SideEffect.REGISTERED)

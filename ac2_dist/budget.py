@@ -340,18 +340,15 @@ class _Problem:
         self.targets = {t for t in targets if t in self.records}
         self.forced = forced & set(self.records)
         self.signature = signature
-        recomputed = self._recomputed(frozenset())
+        recomputed = self.evaluate(frozenset())[2]  # what "recompute_all" replays
         candidates = [
             s for s in recomputed
             if not self.records[s].view and self.records[s].nbytes > 0 and s not in written
             and self.records[s].call is not None
         ]
-        # The heaviest outputs (by cost saved if kept alone) bound the solver's work.
+        # The costliest outputs to recompute bound the solver's work.
         candidates.sort(key=lambda s: -self.records[s].seconds)
         self.candidates = candidates[:_MAX_CANDIDATES]
-
-    def _recomputed(self, saved: frozenset[int]) -> set[int]:
-        return self.evaluate(saved)[2]
 
     def evaluate(self, saved: frozenset[int]) -> tuple[int, float, set[int]]:
         """(bytes held, recompute seconds, recomputed seqs) when ``saved`` are saved."""

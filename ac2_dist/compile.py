@@ -104,6 +104,19 @@ def announce_eager_only(what: str) -> bool:
     return True
 
 
+_EAGER_ONLY_TAG = (
+    "ac2_dist.tag_with_policy with SAVE_WITH_HOOKS or a CPU-offload policy is eager-only; inside "
+    "torch.compile tag with MUST_SAVE or PREFER_SAVE, or do not compile this block"
+)
+
+
+@torch.compiler.disable(reason=_EAGER_ONLY_TAG)
+def refuse_compiled_tag(policy: Any) -> None:
+    """A graph break whose reason (the fullgraph=True error) and error (otherwise, when
+    the call runs) say what is refused (Note [What only eager ac2 does])."""
+    raise RuntimeError(f"{_EAGER_ONLY_TAG} (got {policy!r})")
+
+
 _BUDGET_REFUSED = (
     "ac2_dist.MemoryBudget plans from ac2's eager graph and cannot run inside torch.compile; for "
     "compiled blocks use torch._functorch.config.activation_memory_budget (torch's own memory-budget "
@@ -125,9 +138,10 @@ def is_region_scoped(policy: Any) -> bool:
     return hasattr(policy, "new_region_policy")
 
 
-def is_compiling() -> bool:
-    """True while dynamo traces the calling frame (then ac2 takes the compiled path)."""
-    return torch.compiler.is_compiling()
+#: True while dynamo traces the calling frame (then ac2 takes the compiled path). The
+#: function itself, not a wrapper: one call less on the tracer's path, and dynamo
+#: constant-folds it.
+is_compiling = torch.compiler.is_compiling
 
 
 class CompiledPolicy:

@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -93,9 +94,17 @@ def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).float().pow(2).mean()
 
 
-def step(model: nn.Module, x: torch.Tensor) -> None:
+def step(model: nn.Module, x: Any, loss: Callable = forward) -> None:
     model.zero_grad(set_to_none=True)
-    forward(model, x).backward()
+    loss(model, x).backward()
+
+
+def write_json(path: str | None, out: dict) -> dict:
+    """Write ``out`` to ``path`` (if given); returns ``out``."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
 
 
 def ratio_stats(ours: list[float], theirs: list[float]) -> dict[str, float]:
@@ -123,11 +132,13 @@ def timed_rounds(steps: dict[str, Callable[[], None]], rounds: int, warmup: int,
     return times
 
 
-def measure_memory(model, x) -> dict:
+def measure_memory(model, x, loss_fn: Callable = forward) -> dict:
+    """Peak of forward+backward, of forward, and bytes kept after forward: bytes above
+    what was allocated when the step began (allocator events)."""
     model.zero_grad(set_to_none=True)
     with AllocationTrace() as trace:
         trace.mark("forward")
-        loss = forward(model, x)
+        loss = loss_fn(model, x)
         trace.mark("backward")
         loss.backward()
         del loss
@@ -442,11 +453,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"bench_core: {args.layers} blocks, D={args.dim}, T={args.seq}, B={args.batch}, {args.rounds} rounds, "
           f"CPU threads={torch.get_num_threads()}, torch {torch.__version__}, {platform.machine()}")
     if args.budgets:
-        out = {"config": vars(args), "budget_sweep": budget_sweep(args), "torch": torch.__version__}
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=2)
-        return out
+        return write_json(args.json, {"config": vars(args), "budget_sweep": budget_sweep(args),
+                                      "torch": torch.__version__})
     workloads = {}
     for name in args.workloads.split(","):
         workloads[name] = run_workload(name, args, modes)
@@ -455,12 +463,8 @@ def main(argv: list[str] | None = None) -> dict:
     if overhead:
         print("forward overhead per tiny op above eager (us): "
               + ", ".join(f"{k} {v:.1f}" for k, v in overhead.items()))
-    out = {"config": vars(args), "workloads": workloads, "overhead_us_per_op": overhead,
-           "torch": torch.__version__, "threads": torch.get_num_threads()}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-    return out
+    return write_json(args.json, {"config": vars(args), "workloads": workloads, "overhead_us_per_op": overhead,
+                                  "torch": torch.__version__, "threads": torch.get_num_threads()})
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -23,10 +22,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_core import ratio_stats, timed_rounds  # noqa: E402
+from bench_core import measure_memory, ratio_stats, step, timed_rounds, write_json  # noqa: E402
 
 import ac2_dist as ac  # noqa: E402
-from ac2_dist._alloc import AllocationTrace  # noqa: E402
 
 MODES = ["no-ac", "hf-torch", "ac2-hf-enable", "ac2-apply_ac"]
 
@@ -55,22 +53,8 @@ def build(args: argparse.Namespace, mode: str):
     return model
 
 
-def step(model, ids: torch.Tensor) -> None:
-    model.zero_grad(set_to_none=True)
-    model(input_ids=ids, labels=ids).loss.backward()
-
-
-def memory(model, ids: torch.Tensor) -> dict:
-    model.zero_grad(set_to_none=True)
-    with AllocationTrace() as trace:
-        trace.mark("forward")
-        loss = model(input_ids=ids, labels=ids).loss
-        trace.mark("backward")
-        loss.backward()
-        del loss
-    fwd, bwd = trace.phases["forward"], trace.phases["backward"]
-    return {"kept_after_forward_bytes": bwd.start_bytes - fwd.start_bytes,
-            "peak_bytes": max(fwd.peak_bytes, bwd.peak_bytes) - fwd.start_bytes}
+def lm_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -87,8 +71,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     models = {m: build(args, m) for m in MODES}
-    results = {m: memory(models[m], ids) for m in MODES}
-    times = timed_rounds({m: functools.partial(step, models[m], ids) for m in MODES}, args.rounds, args.warmup)
+    results = {m: measure_memory(models[m], ids, lm_loss) for m in MODES}
+    times = timed_rounds({m: functools.partial(step, models[m], ids, lm_loss) for m in MODES}, args.rounds,
+                         args.warmup)
     mib = 1 / 2**20
     print(f"bench_hf: Llama {args.layers}x{args.dim}, seq {args.seq}, batch {args.batch}, {args.rounds} rounds, "
           f"CPU threads={torch.get_num_threads()}, torch {torch.__version__}")
@@ -101,11 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         st = r["step_vs_hf_torch"]
         print(f"{m:<14} {r['peak_bytes'] * mib:9.2f} {r['kept_after_forward_bytes'] * mib:9.2f} "
               f"{r['step_seconds_median']:8.3f}  {st['median']:.3f} ({st['min']:.3f}-{st['max']:.3f})")
-    out = {"config": vars(args), "results": results, "torch": torch.__version__}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-    return out
+    return write_json(args.json, {"config": vars(args), "results": results, "torch": torch.__version__})
 
 
 if __name__ == "__main__":

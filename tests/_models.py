@@ -68,6 +68,31 @@ def grads_of(model: nn.Module, run: Callable[[nn.Module], torch.Tensor], *extra:
     return [p.grad.clone() for p in model.parameters()] + [t.grad.clone() for t in extra]
 
 
+def step_memory(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], seed: int = 0,
+                extra: tuple[torch.Tensor, ...] = ()) -> dict:
+    """One forward+backward: bytes kept after forward and the peak of the step (both
+    above what was allocated when it began, allocator events) and the gradients of
+    ``extra`` tensors and the parameters. ``seed`` is set first (equal dropout masks)."""
+    from ac2_dist._alloc import AllocationTrace
+
+    model.zero_grad(set_to_none=True)
+    for t in extra:
+        t.grad = None
+    torch.manual_seed(seed)
+    with AllocationTrace() as trace:
+        trace.mark("forward")
+        loss = loss_fn(model)
+        trace.mark("backward")
+        loss.backward()
+        del loss
+    fwd, bwd = trace.phases["forward"], trace.phases["backward"]
+    return {
+        "kept": bwd.start_bytes - fwd.start_bytes,
+        "peak": max(fwd.peak_bytes, bwd.peak_bytes) - fwd.start_bytes,
+        "grads": [t.grad for t in extra] + [p.grad for p in model.parameters()],
+    }
+
+
 def twin(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 

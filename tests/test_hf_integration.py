@@ -141,11 +141,11 @@ def test_trainer_two_steps_match_an_unchecked_trainer(tmp_path):
 
     data = [{"input_ids": ids, "labels": ids} for ids in _ids(5, (8, 16))]
 
-    def run(model, name):
+    def run(model, name, **options):
         args = TrainingArguments(
             output_dir=str(tmp_path / name), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3,
             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0,
-            dataloader_num_workers=0, disable_tqdm=True,
+            dataloader_num_workers=0, disable_tqdm=True, **options,
         )
         trainer = Trainer(model=model, args=args, train_dataset=data)
         trainer.train()
@@ -158,6 +158,9 @@ def test_trainer_two_steps_match_an_unchecked_trainer(tmp_path):
     assert hf.is_enabled(ours)  # the Trainer kept ac2's checkpointing
     for p, q in zip(plain.parameters(), ours.parameters()):
         assert torch.equal(p, q)
+    # What the README warns about: the Trainer's own switch puts torch's checkpoint back.
+    _, switched = run(hf.enable(copy.deepcopy(base)), "switched", gradient_checkpointing=True)
+    assert not hf.is_enabled(switched) and _is_checkpointing(switched)
 
 
 class _NoCheckpointing(T.LlamaForCausalLM):

@@ -15,9 +15,9 @@ import time
 
 import pytest
 import torch
+from _models import step_memory
 
 import ac2_dist as ac
-from ac2_dist._alloc import AllocationTrace
 
 T = pytest.importorskip("transformers", reason="the 'test' extra installs transformers")
 from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: E402
@@ -96,19 +96,9 @@ def _hf_checkpointing(model):
 
 
 def _measure(model, inputs: dict) -> dict:
-    """Bytes kept after forward, peak of the step above its start, gradients."""
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(0)  # the same dropout masks in every variant
-    with AllocationTrace() as trace:
-        trace.mark("forward")
-        loss = model(**inputs).logits.float().square().mean()
-        trace.mark("backward")
-        loss.backward()
-        del loss
-    fwd, bwd = trace.phases["forward"], trace.phases["backward"]
-    return {"kept": bwd.start_bytes - fwd.start_bytes,
-            "peak": max(fwd.peak_bytes, bwd.peak_bytes) - fwd.start_bytes,
-            "grads": [p.grad for p in model.parameters()]}
+    """Bytes kept after forward, peak of the step above its start, gradients (the same
+    dropout masks in every variant: seed 0)."""
+    return step_memory(model, lambda m: m(**inputs).logits.float().square().mean())
 
 
 @pytest.mark.parametrize("name", list(MODELS))

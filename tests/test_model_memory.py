@@ -11,33 +11,19 @@ import functools
 import pytest
 import torch
 import torch.nn as nn
-from _models import assert_bitwise
+from _models import assert_bitwise, step_memory
 from models import GPTBlock, MLPLayer, Stage
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import ac2_dist as ac
-from ac2_dist._alloc import AllocationTrace
 
 aten = torch.ops.aten
 
 
 def _measure(model: nn.Module, x: torch.Tensor, seed: int = 0) -> dict:
     """Bytes kept after forward and backward peak (above the step's start); grads."""
-    model.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
-    torch.manual_seed(seed)
-    with AllocationTrace() as trace:
-        trace.mark("forward")
-        loss = model(x).square().mean()
-        trace.mark("backward")
-        loss.backward()
-        del loss
-    fwd, bwd = trace.phases["forward"], trace.phases["backward"]
-    return {
-        "kept": bwd.start_bytes - fwd.start_bytes,
-        "peak": max(fwd.peak_bytes, bwd.peak_bytes) - fwd.start_bytes,
-        "grads": [x.grad] + [p.grad for p in model.parameters()],
-    }
+    return step_memory(model, lambda m: m(x).square().mean(), seed, extra=(x,))
 
 
 def _torch_ckpt(module: nn.Module) -> nn.Module:
