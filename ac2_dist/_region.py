@@ -143,7 +143,9 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
 
     Regions nest; the outermost one records, inner ones add their policy (CONTRACT §2).
     The object is also a decorator-free context manager for one thread at a time;
-    ``stats`` (a :class:`GraphStats`) describes the last outermost use.
+    ``stats`` (a :class:`GraphStats`) describes the last outermost use: an empty one
+    before the first use, for a region nested in another one (the outer region records),
+    and for a use under ``torch.no_grad()`` / ``torch.inference_mode()`` (nothing recorded).
     """
 
     def __init__(
@@ -160,7 +162,7 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
         )
         self._replay = check_replay(replay)
         self._module_region = False  # a checkpointed module's region (Note [FSDP units are region boundaries])
-        self.stats: GraphStats | None = None
+        self.stats = GraphStats()
         self.graph: Graph | None = None  # the graph of the last outermost use that recorded
 
     @classmethod
@@ -171,7 +173,7 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
         self._frame = frame
         self._replay = replay
         self._module_region = module_region
-        self.stats = None
+        self.stats = GraphStats()
         self.graph = None
         return self
 
@@ -189,9 +191,12 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
                 "ac2_dist: this apply_ac_policy object is already active on this thread; "
                 "nest a new apply_ac_policy(...) instead of re-entering the same one"
             )
-        if st.graph is None and torch.is_grad_enabled():  # Note [No grad, no region]
-            st.install = self._install(st)
-            st.graph = st.install.graph
+        if st.graph is None:
+            if torch.is_grad_enabled():
+                st.install = self._install(st)
+                st.graph = st.install.graph
+            else:  # Note [No grad, no region]: an outermost use that records nothing
+                self.stats, self.graph = GraphStats(), None
         frame = self._frame.for_region()  # Note [Region-scoped policies] (_policy.py)
         st.frames.append(frame)
         st.owners.append(self)

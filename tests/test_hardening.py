@@ -89,7 +89,7 @@ def test_region_records_nothing_without_grad():
             with OpCounter():  # a mode below ours would see every op either way
                 model(tokens)
             assert not _get_current_dispatch_mode_stack()  # no tracer installed
-        assert region.stats is None or region.stats.nodes == 0
+        assert isinstance(region.stats, ac.GraphStats) and region.stats.nodes == 0  # never None
     # Frozen parameters and inputs that do not require grad: nothing to checkpoint.
     for p in model.parameters():
         p.requires_grad_(False)
@@ -645,3 +645,18 @@ def test_declared_floor_is_the_checked_floor():
     for old in ("2.9.1", "1.13.1+cu117", "garbage"):
         with pytest.raises(ImportError, match="needs torch >= 2.10"):
             check_torch(old)
+
+
+def test_region_stats_is_an_empty_graphstats_when_nothing_was_recorded():
+    """README: ``region.stats`` is a GraphStats. After a use under no_grad it is an empty
+    one (not the figures of an earlier recording use, and never None)."""
+    lin = nn.Linear(8, 8)
+    region = ac.apply_ac_policy("recompute_all")
+    assert isinstance(region.stats, ac.GraphStats) and region.stats.nodes == 0  # before any use
+    with region:
+        lin(torch.randn(2, 8)).sum().backward()
+    assert region.stats.nodes > 0
+    for ctx in (torch.no_grad, torch.inference_mode):
+        with ctx(), region:
+            lin(torch.randn(2, 8))
+        assert isinstance(region.stats, ac.GraphStats) and region.stats.nodes == 0
