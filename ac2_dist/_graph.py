@@ -37,7 +37,25 @@ Note [Replaying writes to fresh tensors]
     made, after cloning it if someone else still needs the value from before the
     write (a pending use or a saved reference), so consumers of either version see
     what they saw in forward. Writes to anything else -- region inputs, parameters,
-    buffers, saved values, tensors a view was taken of, views -- stay side effects.
+    buffers, saved values, tensors a view was taken of, views -- stay side effects,
+    except writes through views of fresh values (next Note).
+
+Note [Writes through views of fresh tensors]
+    A buffer the region allocates and fills through views of it (``kv = a.new_empty(..);
+    kv[..., :d].copy_(a); kv[..., d:].copy_(b)``, how HF DeepSeek-V3 builds its keys) is
+    recomputable like any fresh value. A write whose one written tensor is a view of a
+    fresh value (its autograd ``_base``), reached from that value by recorded view ops
+    that nothing but other views has read, and whose base only views have read (no
+    handle, not saved, no undeclared alias), is recorded as a replayable write of the
+    *base*: its written input is the base's node output, ``Node.via`` holds the view
+    ops, and the base after the write is the node's last output (the tensor -> node map
+    points the base there). The replay takes the base's value (a copy if someone else
+    still needs the value from before the write, as for direct writes), rebuilds the
+    view from it, runs the write into the view and hands on the base. Writes chain: the
+    next write through a view of the base reads the previous write's base output. A
+    view of the base that was current before a write is stale after it (views share
+    the base's version counter), so a later read of it becomes a saved boundary, as
+    before. Anything else stays a side effect.
 
 Note [Nested modules cut the replay]
     The outputs of a checkpointed module called inside another region (nested
@@ -64,6 +82,20 @@ Note [One generator state per region]
     the first replay regenerates the region's masks in order, as torch's recompute
     does. A random op the region saves (or runs unrecorded under inference mode)
     ends the chain; the next one starts a new chain with a fresh stash.
+
+Note [Saved values die at their last use]
+    A saved op output (a policy save, a side effect's output) that no autograd handle
+    reads directly serves backward only as an input of replays. Its uses are counted
+    like a recomputed value's (``arm`` counts saved slots too, ``take`` removes one),
+    and at its last use in a backward that does not retain the graph
+    (``torch._C._autograd._get_current_graph_task_keep_graph()``) the slot drops the
+    value (:data:`FREED`), as torch's selective checkpoint pops its cache during
+    recompute. A retained graph keeps it for the next backward; region inputs and
+    values a handle reads (autograd holds them anyway) are never dropped; nor is
+    anything while the region still records (backward inside the region: a later op
+    may read the value) or while a private replay (which takes no pending use: Note
+    [Nested modules cut the replay], Note [One generator state per region]) may
+    still read it.
 
 Note [Saved values are version-checked references]
     Saved values (region inputs, policy saves, side-effect outputs) are held by
@@ -237,6 +269,30 @@ class Saved:
         return t
 
 
+class _Freed:
+    """What a saved slot holds once its value was dropped after its last use (Note
+    [Saved values die at their last use]): counted as saved, so nothing tries to
+    recompute through it, and an error if anything still asks for it."""
+
+    __slots__ = ()
+    value = hooks = device = version = counter = meta = None
+    detached = allow_mutation = False
+    reason, nbytes, owner = "policy", 0, "freed saved value"
+
+    def snapshot(self) -> None:
+        return None
+
+    def get(self) -> torch.Tensor:
+        raise RuntimeError(
+            "ac2_dist: a value saved for recompute was read after its last use in this backward "
+            "had freed it (a saved tensor unpacked again after the tensors read the first time "
+            "were released?). Backward with retain_graph=True keeps saved values for another use."
+        )
+
+
+FREED = _Freed()
+
+
 class Node:
     """One recorded op call. Leaves (``op is None``) are region inputs."""
 
@@ -262,6 +318,9 @@ class Node:
         "viewed",
         "writes",
         "cut",
+        "viewers",
+        "via",
+        "scratch",
         "__weakref__",
     )
 
@@ -291,12 +350,21 @@ class Node:
         self.alias_of: tuple[Node, int] | None = None
         self.aliased = False
         # a view of one of its outputs was recorded, or its output aliases a value the
-        # region did not record (Note [Aliases a schema does not declare] in _tracer.py)
+        # region did not record (then also ``aliased``; Note [Aliases a schema does not
+        # declare] in _tracer.py)
         self.viewed = False
         # Input positions this (recomputable) op writes in place (Note [Replaying writes
         # to fresh tensors]); () for ops that write nothing.
         self.writes: tuple = ()
         self.cut = False  # output of a nested checkpointed module (Note [Nested modules cut the replay])
+        self.viewers = 0  # recorded view ops that take one of its outputs as their source
+        # A write through a view of a fresh value (Note [Writes through views of fresh
+        # tensors]): the view ops that rebuild the written view from the base, as
+        # (op, args, kwargs, source position); its last output is the written base.
+        self.via: tuple | None = None
+        # Accumulator arguments a replay fills with scratch zeros, as (position, shape,
+        # dtype, device) (Note [Statistics an op accumulates] in side_effects.py).
+        self.scratch: tuple = ()
 
     def __repr__(self) -> str:
         return f"Node({self.op or 'input'}, seq={self.seq})"
@@ -406,7 +474,7 @@ def _wrapped_fqn(module: Any, default: str) -> str:
 class Handle:
     """What autograd keeps instead of a saved tensor: a pointer to a node output."""
 
-    __slots__ = ("graph", "node", "idx", "seq", "consumed_task", "prefetched", "ready", "__weakref__")
+    __slots__ = ("graph", "node", "idx", "seq", "consumed_task", "prefetched", "ready", "last", "__weakref__")
 
     def __init__(self, graph: Graph, node: Node, idx: int, seq: int) -> None:
         self.graph = graph
@@ -418,6 +486,15 @@ class Handle:
         self.consumed_task: int | None = None
         self.prefetched: Any = None  # value realized ahead of its unpack (Note [Prefetching ...])
         self.ready: Any = None  # the event that value is ready on (side-stream executor)
+        self.last: weakref.ref | None = None  # what consumed_task's unpack returned (a second read)
+
+
+def _remember(h: Handle, v: Any) -> Any:
+    """Keep a weak reference to what ``h``'s unpack returned: a second read in the same
+    backward returns the same tensor without a replay (Note [Saved values die at their
+    last use] may have freed what a replay would need)."""
+    h.last = weakref.ref(v) if isinstance(v, torch.Tensor) else None
+    return v
 
 
 def _handle_seq(h: Handle) -> int:
@@ -461,6 +538,7 @@ class Graph:
         self.fqn = ""
         self.log: Any = None
         self._parked: dict[int, int] = {}  # id(prefetched value) -> handles holding it
+        self.has_cuts = False  # Note [Nested modules cut the replay]: private replays happen
 
     # ---- forward side -------------------------------------------------------------
     def rng_chain(self, generator: torch.Generator) -> RngChain:
@@ -539,6 +617,7 @@ class Graph:
             for _, m, j in node.inputs:
                 self._disarm(m, j)
         node.cut = True
+        self.has_cuts = True
 
     def mark_fsdp_params(self, params: list[torch.Tensor], unit: Any) -> None:
         """Leaves that are ``unit``'s unsharded parameters unshard it before use."""
@@ -574,9 +653,9 @@ class Graph:
         stack = [(node, idx)]
         while stack:
             n, i = stack.pop()
+            n.pending[i] -= 1
             if n.saved is not None and n.saved[i] is not None:
                 continue
-            n.pending[i] -= 1
             if (
                 not n.cut
                 and n.scheduled
@@ -602,21 +681,26 @@ class Graph:
 
     # ---- backward side ------------------------------------------------------------
     def arm(self, node: Node, idx: int) -> None:
-        """Add one pending use of ``node[idx]`` (Note [Use counts ...])."""
+        """Add one pending use of ``node[idx]`` (Note [Use counts ...]); saved values
+        count their uses too (Note [Saved values die at their last use])."""
         stack = [(node, idx)]
         while stack:
             n, i = stack.pop()
+            n.pending[i] += 1
             if n.saved is not None and n.saved[i] is not None:
                 continue
             if not n.cut and not (n.values is not None and n.values[i] is not None) and not n.scheduled:
                 n.scheduled = True
                 stack.extend((m, j) for _, m, j in n.inputs)
-            n.pending[i] += 1
 
     def take(self, node: Node, idx: int) -> Any:
         """Hand ``node[idx]`` to one consumer; drop the cached value at its last use."""
         if node.saved is not None and node.saved[idx] is not None:
-            return self._saved_value(node, idx)
+            v = self._saved_value(node, idx)
+            node.pending[idx] -= 1
+            if node.pending[idx] <= 0 and node.held == 0 and node.op is not None:
+                self._free_saved(node, idx)
+            return v
         values = node.values
         v = values[idx]
         node.pending[idx] -= 1
@@ -628,6 +712,33 @@ class Graph:
             if all(x is None for x in values):
                 node.values = None
         return v
+
+    def _free_saved(self, node: Node, idx: int) -> None:
+        """Drop a saved op output whose last pending reader (a replay) has it, unless this
+        backward retains the graph or a private replay may still read it (Note [Saved
+        values die at their last use])."""
+        node.pending[idx] = 0
+        if (
+            self.map is not None  # the region still records: a later op may read it
+            or torch._C._autograd._get_current_graph_task_keep_graph()
+            or self._private_replays_left()
+        ):
+            return
+        node.saved[idx] = FREED
+
+    def _private_replays_left(self) -> bool:
+        """A private replay (which takes no pending use) may still run: the graph has cut
+        nodes, or an RNG chain has an op ahead of its cursor that backward does not need
+        (replayed privately, for its effect on the generator)."""
+        if self.has_cuts:
+            return True
+        for chain in self.rng_chains:
+            nodes = chain.nodes
+            for k in range(chain.cursor, len(nodes)):
+                n = nodes[k]
+                if not n.scheduled and n.values is None:
+                    return True
+        return False
 
     def _saved_value(self, node: Node, idx: int) -> Any:
         """A saved value for a replay or an unpack (unsharding its FSDP unit first)."""
@@ -753,13 +864,21 @@ class Graph:
             kwargs = dict(node.kwargs) if node.kwargs else {}
         writes = node.writes
         cloned = 0
+        base = None
         for pos, m, j in node.inputs:
             v, shared = value_of(m, j)
-            if writes and shared and pos in writes:
-                # Someone else still needs the value from before the write (Note
-                # [Replaying writes to fresh tensors]).
-                v = v.clone()
-                cloned += tensor_nbytes(v)
+            if writes and pos in writes:
+                if shared:
+                    # Someone else still needs the value from before the write (Note
+                    # [Replaying writes to fresh tensors]).
+                    v = v.clone()
+                    cloned += tensor_nbytes(v)
+                if node.via is not None:  # Note [Writes through views of fresh tensors]
+                    base = v
+                    for op, vargs, vkwargs, src in node.via:
+                        vargs = list(vargs)
+                        vargs[src] = v
+                        v = op(*vargs, **vkwargs)
             if type(pos) is int:
                 args[pos] = v
             elif type(pos) is str:
@@ -767,11 +886,15 @@ class Graph:
             else:
                 p, k = pos
                 (args if type(p) is int else kwargs)[p][k] = v
+        for pos, shape, dtype, device in node.scratch:  # Note [Statistics an op accumulates]
+            args[pos] = torch.zeros(shape, dtype=dtype, device=device)
         chain = None
         if node.rng is not None:
             chain = self.rng_chains[node.rng[0]]
             self._advance(chain, node.rng[1])
         flat = flatten_outputs(self.executor.run(node, args, kwargs, chain))
+        if base is not None:
+            flat.append(base)
         stats = self.stats
         stats.recomputed_ops += 1
         allocated = 0
@@ -821,18 +944,22 @@ class Graph:
                 value, ready = h.prefetched, h.ready
                 h.prefetched = h.ready = None
                 self._unpark(value)
-                return self.executor.hand_over(value, ready)
+                return _remember(h, self.executor.hand_over(value, ready))
             task = torch._C._current_graph_task_id()
             if task < 0 or h.consumed_task == task:
                 # Read outside backward, or a second time in the same backward (a custom
-                # Function reading ctx.saved_tensors twice): one extra use of this value.
+                # Function reading ctx.saved_tensors twice): the value the first read
+                # returned if it is still alive, else one extra use of this value.
+                v = h.last() if h.last is not None and task >= 0 else None
+                if v is not None:
+                    return v
                 self.arm(h.node, h.idx)
                 return self.executor.realize(self, h.node, h.idx)
             if h.consumed_task is not None:
                 self._new_epoch(task)  # a retained graph differentiated again
             v = self.executor.realize(self, h.node, h.idx)
             h.consumed_task = task
-            return v
+            return _remember(h, v)
 
     def live_handles(self) -> list[Handle]:
         """Live handles in pack order.

@@ -194,14 +194,17 @@ class Tracer(TorchDispatchMode):
 
         rng = None
         writes = info.written and info.writes(args)
-        fresh = False
-        written = None
+        fresh = accum = False
+        written = via = None
         if writes:
             written = self._before_writes(info, args, kwargs)
-            fresh = (
-                info.declared_writes and info.side_effect is _MUTATION and not info.has_tensor_lists
-                and self._fresh(written)
-            )
+            if info.accumulators:  # Note [Statistics an op accumulates] (side_effects.py)
+                accum = info.accumulates(args)
+            elif info.declared_writes and info.side_effect is _MUTATION and not info.has_tensor_lists:
+                fresh = self._fresh(written)
+                if not fresh and len(written) == 1:  # Note [Writes through views of fresh tensors]
+                    via = self._written_view(written, args, kwargs)
+                    fresh = via is not None
         random = info.is_rng and info.is_random(args, kwargs)
         if random and inner.rng == "replay" and (fresh or not writes):
             gen = info.generator(args, kwargs) or default_generator(_rng_device(args, kwargs))
@@ -234,12 +237,13 @@ class Tracer(TorchDispatchMode):
 
         single = isinstance(out, _Tensor)
         flat = (out,) if single else flatten_outputs(out)
-        side = _NONE if fresh else info.side_effect
+        replayable = fresh or accum  # a write that is not a side effect
+        side = _NONE if replayable else info.side_effect
         reason = "policy"
         if side is _NONE:
             if hidden is not None:
                 side = SideEffect.COLLECTIVE
-            elif writes and not fresh:
+            elif writes and not replayable:
                 side = SideEffect.MUTATION
             elif random and rng is None:
                 side = SideEffect.RNG
@@ -270,14 +274,18 @@ class Tracer(TorchDispatchMode):
             src = args[info.view_src]
             view_version = version_of(src)
         if not save:
-            node = self._recomputable(graph, func, info, args, kwargs, len(flat), inner)
+            node = self._recomputable(graph, func, info, args, kwargs, len(flat) + (via is not None), inner,
+                                      info.accumulators if accum else ())
             if rng is not None:
                 node.rng = (rng.index, len(rng.nodes))
                 rng.nodes.append(node)
             node.must_recompute = decision is _CP.MUST_RECOMPUTE
             if fresh:  # Note [Replaying writes to fresh tensors] (_graph.py)
                 node.writes = info.written
+                if via is not None:
+                    self._rebase(node, via)
         else:
+            via = None  # saved: the base is not remapped (its next use is a new version)
             if random:  # a saved random op ends its generator's chain
                 graph.open_chains.clear()
             if src is not None:
@@ -307,7 +315,7 @@ class Tracer(TorchDispatchMode):
         ):  # Note [Aliases a schema does not declare]
             e = gmap.get(args[0])
             if e is None:
-                node.viewed = True
+                node.viewed = node.aliased = True
             else:
                 node.alias_of = (e[1], e[2])
                 e[1].aliased = True
@@ -317,6 +325,9 @@ class Tracer(TorchDispatchMode):
                     gmap.set(o, node, i, view_version)
                 else:
                     gmap.set(o, node, i, o._version + bump if bump and id(o) in written else o._version)
+        if via is not None:  # the base is the write's last output
+            base = via[0]
+            gmap.set(base, node, len(flat), base._version + bump)
 
         if writes and not fresh:
             returned = {id(o) for o in flat if isinstance(o, _Tensor)}
@@ -398,6 +409,8 @@ class Tracer(TorchDispatchMode):
                 node.saved is not None and node.saved[idx] is not None
             ):
                 return False
+            if node.via is not None and (node.readers or node.held):
+                return False  # a write through a view: its outputs alias (Note [Writes through views ...])
             partner = node.alias_of
             if partner is not None:  # Note [Aliases a schema does not declare]
                 m, j = partner
@@ -405,6 +418,56 @@ class Tracer(TorchDispatchMode):
                         or (m.saved is not None and m.saved[j] is not None)):
                     return False
         return True
+
+    def _written_view(self, written: dict[int, torch.Tensor], args: tuple, kwargs: dict) -> tuple | None:
+        """``(base, node, idx, steps)`` when the one tensor this op writes is a view of a
+        fresh value that only views have read (Note [Writes through views of fresh
+        tensors]); ``None`` otherwise. ``steps`` replays the view from the base."""
+        (w,) = written.values()
+        base = w._base
+        if base is None:
+            return None
+        gmap = self.graph.map
+        e, eb = gmap.get(w), gmap.get(base)
+        if e is None or eb is None or e[3] != w._version or eb[3] != base._version:
+            return None
+        if sum(a is w for a in args) + sum(v is w for v in kwargs.values()) != 1:
+            return None  # the view is also read by this op
+        node, idx = e[1], e[2]
+        steps: list[tuple] = []
+        while True:
+            if (node.op is None or node.cut or node.held or node.readers != node.viewers
+                    or (node.saved is not None and node.saved[idx] is not None)):
+                return None
+            if node is eb[1] and idx == eb[2]:
+                break
+            if node.via is not None:  # the view an earlier replayable write returned
+                if idx != 0 or len(node.pending) != 2:
+                    return None
+                steps[:0] = node.via
+                idx = 1
+                continue
+            src = (_INFO.get(node.op) or op_info(node.op)).view_src
+            if src is None or node.lists or len(node.inputs) != 1 or node.inputs[0][0] != src:
+                return None
+            steps.insert(0, (node.op, node.args, node.kwargs, src))
+            _, node, idx = node.inputs[0]
+        if node.aliased or node.alias_of is not None:
+            return None
+        return base, node, idx, tuple(steps)
+
+    @staticmethod
+    def _rebase(node: Node, via: tuple) -> None:
+        """Make a write through a view read the view's base instead (Note [Writes through
+        views of fresh tensors]): the replay rebuilds the view from the base's value."""
+        _, m, j, steps = via
+        inputs = node.inputs
+        for k, (pos, n, _) in enumerate(inputs):
+            if pos in node.writes:
+                n.readers -= 1
+                m.readers += 1
+                inputs[k] = (pos, m, j)
+        node.via = steps
 
     def _snapshot_read(self, tensors) -> None:
         """Before ``tensors`` are written: snapshot the held values of theirs that a
@@ -422,7 +485,7 @@ class Tracer(TorchDispatchMode):
                     node, idx = node.alias_of
 
     @staticmethod
-    def _recomputable(graph: Graph, func, info, args, kwargs, nout, frame) -> Node:
+    def _recomputable(graph: Graph, func, info, args, kwargs, nout, frame, scratch=()) -> Node:
         node = graph.new_node(func, nout, frame.module_fqn)
         inputs = node.inputs
         allow = frame.allow_mutation
@@ -430,12 +493,16 @@ class Tracer(TorchDispatchMode):
         view_src = info.view_src
         for i, a in enumerate(args):
             if isinstance(a, _Tensor):
+                targs[i] = None
+                if scratch and i in scratch:  # Note [Statistics an op accumulates] (side_effects.py)
+                    node.scratch += ((i, a.shape, a.dtype, a.device),)
+                    continue
                 m, j = graph.ref(a, allow)
                 m.readers += 1
                 if i == view_src:
                     m.viewed = True
+                    m.viewers += 1
                 inputs.append((i, m, j))
-                targs[i] = None
             elif info.has_tensor_lists and type(a) in (list, tuple):
                 lst = list(a)
                 for k, e in enumerate(a):

@@ -94,12 +94,25 @@ class OpInfo:
     view_src: int | None = None
     #: A ``HigherOrderOperator`` (no schema; Note [Higher-order operators]).
     higher_order: bool = False
+    #: Positions of arguments the op folds statistics into without its outputs depending
+    #: on them (batch-norm running stats; Note [Statistics an op accumulates]).
+    accumulators: tuple[int, ...] = ()
+    #: If set, the op accumulates only when ``args[accumulate_flag]`` is true (training).
+    accumulate_flag: int | None = None
 
     def writes(self, args: tuple) -> bool:
         """True if this call writes one of its arguments."""
         if not self.written:
             return False
         return self.write_flag is None or bool(args[self.write_flag])
+
+    def accumulates(self, args: tuple) -> bool:
+        """True if this call's only writes fold statistics into its accumulator
+        arguments (Note [Statistics an op accumulates])."""
+        if not self.accumulators:
+            return False
+        flag = self.accumulate_flag
+        return flag is None or bool(args[flag] if flag < len(args) else False)
 
     def is_random(self, args: tuple, kwargs: dict) -> bool:
         """True if this call draws random numbers (``dropout_p == 0`` does not)."""
@@ -179,15 +192,38 @@ def register_side_effect(op_or_namespace: torch._ops.OpOverload | torch._ops.OpO
     _INFO.clear()
 
 # Note [Schemas that hide writes]
-#     These ops update ``running_mean`` / ``running_var`` (arguments 3 and 4) in place
-#     when ``training`` (argument 5) is true, but their schemas carry no ``(a!)``
-#     annotation. Replaying them would update the running statistics twice, so they
-#     are treated as writing those arguments whenever ``training`` is true.
-_UNDECLARED_WRITES: dict[str, tuple[tuple[int, ...], int]] = {
+#     Some ops write an argument without an ``(a!)`` annotation in their schema: the
+#     batch-norm family updates ``running_mean`` / ``running_var`` in place when
+#     training (below), legacy c10d collectives write their first argument (in
+#     ``_build``). Replaying them would write twice, so the tracer treats those
+#     arguments as written (``OpInfo.written``) with ``declared_writes=False``: no
+#     version bump follows the op.
+#
+# Note [Statistics an op accumulates]
+#     Batch norm in training mode normalizes with the batch's own statistics and, as a
+#     side effect, folds them into ``running_mean`` / ``running_var``. Its outputs
+#     (output, batch mean, inverse std) do not depend on the running statistics'
+#     values: the write is the side effect, the op is not. So when such an op
+#     accumulates (``OpInfo.accumulates``), the tracer records it as an ordinary
+#     recomputable op whose accumulator arguments are *scratch*: forward updated the
+#     real buffers once; a replay passes fresh zero buffers of the same shape, dtype
+#     and device, which it writes and drops. The same kernel runs on the same inputs,
+#     so the outputs are bitwise forward's (a replay with ``None`` statistics could take
+#     another kernel path; scratch buffers cannot). The written buffers still become
+#     new versions in the graph. ``None`` statistics (``track_running_stats=False``)
+#     write nothing and need no scratch. Entries: op name -> (accumulator positions,
+#     position of the ``training`` flag or None when the op always accumulates);
+#     default overloads only (``.out`` overloads also write their outputs: side effects).
+_ACCUMULATES: dict[str, tuple[tuple[int, ...], int | None]] = {
     "aten::native_batch_norm": ((3, 4), 5),
     "aten::cudnn_batch_norm": ((3, 4), 5),
     "aten::miopen_batch_norm": ((3, 4), 5),
     "aten::_batch_norm_impl_index": ((3, 4), 5),
+    "aten::_native_batch_norm_legit": ((3, 4), 5),  # declared (a!): version bumped even in eval
+    "aten::_batch_norm_with_update": ((3, 4), None),
+    "aten::batch_norm_update_stats": ((1, 2), None),
+    "aten::batch_norm_gather_stats": ((3, 4), None),  # SyncBatchNorm
+    "aten::batch_norm_gather_stats_with_counts": ((3, 4), None),  # SyncBatchNorm
 }
 
 
@@ -232,10 +268,13 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
             generator_arg = (i, arg.name)
     write_flag = None
     declared = bool(written)
-    hidden = _UNDECLARED_WRITES.get(schema.name) if not schema.overload_name else None
-    if hidden is not None:
-        written, write_flag = list(hidden[0]), hidden[1]
-        declared = False
+    accumulators: tuple[int, ...] = ()
+    accumulate_flag = None
+    stats = _ACCUMULATES.get(schema.name) if not schema.overload_name else None
+    if stats is not None:  # Note [Statistics an op accumulates]
+        accumulators, accumulate_flag = stats
+        if not declared:  # Note [Schemas that hide writes]: written only while accumulating
+            written, write_flag = list(accumulators), accumulate_flag
     elif op.namespace == "c10d" and schema.name.endswith("_") and schema.arguments:
         # Legacy in-place collectives (allreduce_, broadcast_, _allgather_base_, ...) write
         # their first argument (a tensor, a list or a list of lists) without an (a!)
@@ -271,6 +310,8 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
         has_tensor_lists=has_lists,
         returns_alias=returns_alias,
         view_src=view_src,
+        accumulators=accumulators,
+        accumulate_flag=accumulate_flag,
     )
 
 
