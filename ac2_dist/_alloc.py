@@ -31,14 +31,18 @@ class Phase:
     peak_bytes: int = 0  # highest live bytes reached inside it
     end_bytes: int = 0  # live bytes when it ended
     allocations: int = 0
+    calls: int = 0  # watched calls (``AllocationTrace.watch``) that started inside it
 
 
 @dataclass
 class AllocationTrace:
     """Record allocations/frees on ``device_type`` while active.
 
-    ``mark(name)`` splits the window into phases; after exit, ``phases[name]`` covers
-    from that mark to the next one (or the end). ``whole`` covers the window.
+    ``mark(name)`` splits the window into phases; after exit, ``segments`` lists them
+    in time order as ``(name, Phase)``, each from its mark to the next one (or the end);
+    a name may be marked several times (one segment each), and ``phases[name]`` is the
+    last segment of that name. Events before the first mark belong to no segment.
+    ``whole`` covers the window.
     Figures count the blocks allocated while the trace runs: 0 at its start, and frees
     of blocks allocated before it are not counted (Note [Frees of blocks from before
     the trace]).
@@ -51,6 +55,7 @@ class AllocationTrace:
     calls: list[tuple[int, str]] = field(default_factory=list)
     marks: list[tuple[int, str]] = field(default_factory=list)
     phases: dict[str, Phase] = field(default_factory=dict)
+    segments: list[tuple[str, Phase]] = field(default_factory=list)
     whole: Phase = field(default_factory=Phase)
     _prof: Any = None
 
@@ -119,28 +124,37 @@ class AllocationTrace:
         return 0 if t0 is None else sum(1 for t, _ in self.calls if t >= t0)
 
     def _summarize(self) -> None:
-        bounds = self.marks + [(2**63, "")]
+        """Replay allocations, frees, marks and watched calls in time order.
+
+        At equal times a mark comes first (an allocation at its instant belongs to the
+        segment it starts), then allocations and frees, then calls.
+        """
+        stream: list[tuple[int, int, int, Any]] = [(t, 0, k, name) for k, (t, name) in enumerate(self.marks)]
+        stream += [(t, 1, k, nbytes) for k, (t, nbytes) in enumerate(self.events)]
+        stream += [(t, 2, k, None) for k, (t, _) in enumerate(self.calls)]
+        stream.sort(key=lambda e: e[:3])
         live = 0
         phase: Phase | None = None
-        k = 0
         self.whole = Phase()
-        for t, nbytes in self.events:
-            while t >= bounds[k][0]:
+        self.segments = []
+        for _, kind, _, value in stream:
+            if kind == 0:  # a mark: the current segment ends, the next one starts
+                phase = Phase(live, live, live)
+                self.segments.append((value, phase))
+            elif kind == 1:
+                live += value
+                self.whole.peak_bytes = max(self.whole.peak_bytes, live)
+                self.whole.allocations += value > 0
                 if phase is not None:
+                    phase.peak_bytes = max(phase.peak_bytes, live)
+                    phase.allocations += value > 0
                     phase.end_bytes = live
-                phase = self.phases[bounds[k][1]] = Phase(live, live, live)
-                k += 1
-            live += nbytes
-            self.whole.peak_bytes = max(self.whole.peak_bytes, live)
-            self.whole.allocations += nbytes > 0
-            if phase is not None:
-                phase.peak_bytes = max(phase.peak_bytes, live)
-                phase.allocations += nbytes > 0
-                phase.end_bytes = live
-        while k < len(self.marks):  # marks after the last event
-            self.phases[bounds[k][1]] = Phase(live, live, live)
-            k += 1
+            else:
+                self.whole.calls += 1
+                if phase is not None:
+                    phase.calls += 1
         self.whole.end_bytes = live
+        self.phases = dict(self.segments)
 
 
 def _walk(roots: list[Any]) -> Iterator[Any]:

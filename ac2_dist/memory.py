@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
+import weakref
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -29,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from ._alloc import AllocationTrace
-from ._graph import REASONS, Graph, Node
+from ._graph import REASONS, Graph, GraphStats, Node
 from ._region import _thread_state
 
 __all__ = ["RankReport", "Tracker", "track", "gather", "format_table", "plot", "save_run", "load_run", "run_warnings"]
@@ -42,8 +44,11 @@ _ALLGATHER_EVENTS = frozenset({"c10d::_allgather_base_", "_c10d_functional::all_
 class RankReport:
     """One rank's figures; bytes are ints. ``to_dict()`` is JSON-safe.
 
-    Peaks are the most bytes allocated at any moment of a phase, above what was
-    allocated when that step's forward started (largest step reported).
+    Peaks are the most bytes allocated at any moment of a step's forward (backward)
+    phases, above what was allocated when that step began (largest step reported);
+    ``live_bytes_after_forward`` is the most allocated, above the same base, when one of
+    its forward phases ended (with several microbatches in flight, all of them).
+    A step is found as :func:`track` says (or set by :meth:`Tracker.step`).
     """
 
     rank: int = 0
@@ -220,8 +225,127 @@ def _storage_key(t: torch.Tensor) -> int:
         return id(t)
 
 
+class _Span:
+    """One phase of a step (forward or backward) between two marks of the trace."""
+
+    __slots__ = ("kind", "step", "start", "peak", "end", "calls")
+
+    def __init__(self, kind: str, step: int) -> None:
+        self.kind = kind  # "forward" or "backward"
+        self.step = step  # 0: not part of any step (a step restarted by Tracker.step())
+        self.start = self.peak = self.end = 0  # bytes: when it began, highest, when it ended
+        self.calls = 0  # all-gathers that started in it
+
+
+class _Forward:
+    """A tracked forward whose output has a ``grad_fn``: in flight until a backward
+    through its output ends (a pre-hook on the output's ``grad_fn`` queues an engine
+    callback for the end of that backward call) or its autograd graph is freed (the
+    graph's nodes hold this object through the pre-hook: it dies with them, and leaves
+    the tracker's WeakSet of forwards in flight)."""
+
+    __slots__ = ("tracker", "handles", "fired", "__weakref__")
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker: Tracker | None = tracker
+        self.handles: list[Any] = []
+        self.fired = False
+
+    def __call__(self, grad_outputs: Any) -> None:  # pre-hook of an output's grad_fn
+        if not self.fired and self.tracker is not None:
+            self.fired = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        tracker = self.tracker
+        if tracker is not None:
+            tracker._pending.discard(self)
+
+
+def _output_grad_fns(output: Any) -> list[Any]:
+    """The distinct ``grad_fn`` of the tensors in a forward's output (tensors, lists,
+    tuples and mappings, e.g. a ``ModelOutput``, at any depth)."""
+    fns: dict[int, Any] = {}
+    seen: set[int] = set()  # containers already walked (a structure may share or contain itself)
+    stack = [output]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            fn = o.grad_fn
+            if fn is not None:
+                fns[id(fn)] = fn
+        elif isinstance(o, (list, tuple, Mapping)) and id(o) not in seen:
+            seen.add(id(o))
+            stack.extend(o.values() if isinstance(o, Mapping) else o)
+    return list(fns.values())
+
+
+def _pipeline_microbatch() -> tuple[int, int] | None:
+    """``(id(stage), microbatch)`` of the ``torch.distributed.pipelining`` stage forward
+    running on this thread, if one is (``_PipelineStageBase.forward_one_chunk`` on the
+    call stack); ``None`` otherwise or if pipelining is not imported.
+
+    Note [Pipeline steps]: counting forwards in flight cannot tell a schedule step from
+    its microbatches on a stage that finishes each microbatch's backward before the next
+    forward (the last stage of 1F1B: F0 B0 F1 B1 ...), which is exactly plain training.
+    The schedule knows: it runs microbatch i's forward once per stage and step, so a
+    forward of a (stage, microbatch) pair already seen in the current step starts the
+    next step. The pair is read from the stage's own frame (nothing is patched).
+    """
+    stage_module = sys.modules.get("torch.distributed.pipelining.stage")
+    base = getattr(stage_module, "_PipelineStageBase", None)
+    code = getattr(getattr(base, "forward_one_chunk", None), "__code__", None)
+    if code is None:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            local = frame.f_locals
+            chunk = local.get("fwd_chunk_id")
+            return (id(local.get("self")), chunk) if isinstance(chunk, int) else None
+        frame = frame.f_back
+    return None
+
+
+class _Graphs:
+    """A live view of the graphs a tracker recorded, in order; held weakly (Note [The
+    tracker keeps no graph alive]), so it yields those still alive."""
+
+    __slots__ = ("_refs",)
+
+    def __init__(self, refs: list[weakref.ref[Graph]]) -> None:
+        self._refs = refs
+
+    def _live(self) -> list[Graph]:
+        return [g for g in (r() for r in self._refs) if g is not None]
+
+    def __iter__(self) -> Iterator[Graph]:
+        return iter(self._live())
+
+    def __len__(self) -> int:
+        return len(self._live())
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._live()[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, tuple, _Graphs)):
+            return self._live() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} live of {len(self._refs)} recorded graphs>"
+
+
 class Tracker:
-    """Collects one rank's figures while active; see :func:`track`."""
+    """Collects one rank's figures while active; see :func:`track`.
+
+    ``graphs`` is a live view of the regions' graphs recorded so far that are still
+    alive (the tracker holds them weakly); ``graph_stats`` has every recorded graph's
+    :class:`~ac2_dist.GraphStats`, dead or alive. :meth:`step` starts a step by hand.
+    """
 
     def __init__(self, model: nn.Module | None = None) -> None:
         if model is not None and not isinstance(model, nn.Module):
@@ -231,17 +355,43 @@ class Tracker:
                 "common parent module, or call track() without a model)"
             )
         self.model = model
-        self.graphs: list[Graph] = []
+        # Note [The tracker keeps no graph alive]: a graph holds what backward needs
+        # (saved values, RNG chains and their nodes); a strong reference kept every
+        # region's graph of every tracked step alive until the tracker died, so memory
+        # grew step over step and backward peaked higher than untracked. The tracker
+        # keeps weak references and each graph's GraphStats (counters, no tensors); the
+        # bytes ac2 holds are read from the live graphs when a forward ends.
+        self._graph_refs: list[weakref.ref[Graph]] = []
+        self._stats: list[GraphStats] = []
         self._trace: AllocationTrace | None = None
         self._hooks: list[Any] = []
         self._report = RankReport()
-        self._in_backward = False
         self._param_storages: set[int] = set()
         if model is None:
             self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         else:
             self._cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
         self._used = False
+        # Steps and phases (Note [Steps and phases]).
+        self._spans: list[_Span] = []
+        self._phase: str | None = None
+        self._auto = True  # off once step() was called
+        self._step_has_work = False
+        self._pending: weakref.WeakSet[_Forward] = weakref.WeakSet()  # forwards in flight, this step
+        self._forwards: weakref.WeakSet[_Forward] = weakref.WeakSet()  # every one with hooks installed
+        self._microbatches: set[tuple[int, int]] = set()  # pipeline (stage, microbatch) seen this step
+        self._last_microbatch: tuple[int, int] | None = None
+        self._step_first_graph = 0  # index in _graph_refs of the current step's first graph
+
+    @property
+    def graphs(self) -> _Graphs:
+        """The regions' graphs recorded so far that are still alive, in order."""
+        return _Graphs(self._graph_refs)
+
+    @property
+    def graph_stats(self) -> list[GraphStats]:
+        """Every recorded region's :class:`~ac2_dist.GraphStats`, in order."""
+        return list(self._stats)
 
     # ---- lifecycle ----------------------------------------------------------------
     def __enter__(self) -> Tracker:
@@ -275,9 +425,6 @@ class Tracker:
         if dist.is_available() and dist.is_initialized():
             self._report.rank, self._report.world_size = dist.get_rank(), dist.get_world_size()
         self._report.device = "cuda" if self._cuda else "cpu"
-        # Figures are per step, above what was allocated when that step's forward started
-        # (parameters, gradients and optimizer state from earlier are not activations).
-        self._cuda_step_base = torch.cuda.memory_allocated() if self._cuda else 0
         if self.model is not None:
             self._param_storages = {_storage_key(p) for p in self.model.parameters()}
             # prepend: run before FSDP's root pre-forward, whose all-gather belongs to
@@ -288,22 +435,31 @@ class Tracker:
         trace.__enter__()  # fails if another profiler is running
         self._trace = trace
         if self.model is None:
-            self._on_forward()
+            self._open("forward", new_step=True)
 
     def _release(self) -> AllocationTrace | None:
-        """Detach from the thread, the model and the regions' graphs; stop the profiler
-        session if one was started and return its trace (``None`` if none was)."""
+        """Detach from the thread, the model, the forwards in flight and the regions'
+        graphs; stop the profiler session if one was started and return its trace
+        (``None`` if none was)."""
         st = _thread_state()
         if st.tracker is self:
             st.tracker = None
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for fwd in list(self._forwards):  # no hook is left on outputs still alive
+            fwd.tracker = None
+            for h in fwd.handles:
+                h.remove()
+        self._forwards = weakref.WeakSet()
+        self._pending = weakref.WeakSet()
         for g in self.graphs:  # a replay after the block must not call back into us
             if g.tracker is self:
                 g.tracker = None
         trace, self._trace = self._trace, None
         if trace is not None:
+            if self._cuda and self._spans:
+                self._close_cuda_span()
             trace.__exit__(None, None, None)
         return trace
 
@@ -312,48 +468,130 @@ class Tracker:
         if trace is not None:
             self._finish(trace)
 
-    # ---- phase marks ----------------------------------------------------------------
+    # ---- steps and phases ---------------------------------------------------------
+    # Note [Steps and phases]: a step is a run of forward and backward phases (they
+    # interleave under pipeline schedules: 1F1B runs F0 F1 B0 F2 B1 ...); its figures
+    # are above the bytes allocated when it began. Each phase is a span of the trace
+    # (its mark is the span's index; on CUDA the allocator's statistics are read and
+    # reset at every boundary). With a model, its forward is a forward phase and
+    # everything after it returns (loss, sends, backward) a backward phase; without,
+    # a forward phase runs from a region's start to the first replay. Unless step()
+    # was called, a new step starts at a forward (with a model) or at a region after a
+    # backward (without) when no forward of the current step is still in flight:
+    # with a model, one that returned an output with a grad_fn whose backward has not
+    # ended and whose autograd graph is alive; without, a live graph with a handle no
+    # backward has read yet. Inside a torch.distributed.pipelining stage forward, the
+    # (stage, microbatch) pair decides instead (Note [Pipeline steps]).
+
+    def step(self) -> None:
+        """Start a new step now; from then on only calls to ``step()`` start steps
+        (automatic detection is off). Call it where each iteration begins, e.g. before
+        ``schedule.step(...)`` or the forward. A current step in which nothing ran yet
+        starts again now instead (no empty step is counted)."""
+        if self._trace is None:
+            raise RuntimeError("ac2_dist.memory.Tracker.step() can only be called while the tracker is active "
+                               "(inside its with-block)")
+        self._auto = False
+        if self._report.steps > 0 and not self._step_has_work:
+            for span in self._spans:
+                if span.step == self._report.steps:
+                    span.step = 0
+            self._report.steps -= 1
+        self._open("forward", new_step=True)
+
+    def _open(self, kind: str, new_step: bool = False) -> None:
+        """Start a phase (and, with ``new_step``, a step) now."""
+        r = self._report
+        if new_step:
+            r.steps += 1
+            self._step_has_work = False
+            self._pending = weakref.WeakSet()
+            self._microbatches = set()
+            self._step_first_graph = len(self._graph_refs)
+        span = _Span(kind, r.steps)
+        if self._cuda:
+            if self._spans:
+                self._close_cuda_span()
+            span.start = span.peak = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        self._spans.append(span)
+        self._phase = kind
+        self._trace.mark(str(len(self._spans) - 1))
+
+    def _close_cuda_span(self) -> None:
+        span = self._spans[-1]
+        span.end = torch.cuda.memory_allocated()
+        span.peak = max(span.start, span.end, torch.cuda.max_memory_allocated())
+
     def _on_forward(self, *args: Any) -> None:
-        if self._trace is not None:
-            self._report.steps += 1
-            self._in_backward = False
-            self._trace.mark(f"forward:{self._report.steps}")
-            if self._cuda:
-                self._cuda_step_base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
+        """The model's forward starts."""
+        if self._trace is None:
+            return
+        new_step = self._report.steps == 0
+        microbatch = None
+        if self._auto:
+            microbatch = _pipeline_microbatch()
+            if microbatch is not None:
+                new_step = new_step or microbatch in self._microbatches
+            else:
+                new_step = new_step or not self._pending
+        self._open("forward", new_step)
+        if microbatch is not None:
+            self._microbatches.add(microbatch)
+        self._step_has_work = True
 
     def _on_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
         # The backward phase starts when the model's forward returns: hooks on the
         # output's gradient would fire after FSDP's own pre-backward hooks, which
         # already issue (prefetch) all-gathers.
+        if self._trace is None:
+            return
         self._snapshot_saved()
-        if self._cuda:
-            self._cuda_forward_peak = torch.cuda.max_memory_allocated()
-            r = self._report
-            r.live_bytes_after_forward = max(r.live_bytes_after_forward, torch.cuda.memory_allocated() - self._cuda_step_base)
-        self._on_backward()
-
-    def _on_backward(self, *args: Any) -> None:
-        if self._trace is not None and not self._in_backward:
-            self._in_backward = True
-            self._trace.mark(f"backward:{self._report.steps}")
-            if self._cuda:
-                self._report.peak_bytes_forward = max(
-                    self._report.peak_bytes_forward,
-                    getattr(self, "_cuda_forward_peak", 0) - self._cuda_step_base,
-                )
-                torch.cuda.reset_peak_memory_stats()
+        if self._auto:
+            fns = _output_grad_fns(output)
+            if fns:
+                fwd = _Forward(self)
+                fwd.handles = [fn.register_prehook(fwd) for fn in fns]
+                self._pending.add(fwd)
+                self._forwards.add(fwd)
+        self._open("backward")
 
     def _on_unpack(self) -> None:
-        """First replay of a step without a model: forward has ended."""
-        if self.model is None and not self._in_backward:
+        """A replay (or prefetch): without a model, the first one ends a forward phase."""
+        if self._phase == "forward" and self.model is None and self._trace is not None:
             self._snapshot_saved()
-            self._on_backward()
+            self._last_microbatch = None
+            self._open("backward")
+            self._step_has_work = True
 
     def _add_graph(self, graph: Graph) -> None:
-        if self.model is None and self._in_backward:  # a region after a backward: next step
-            self._on_forward()
-        self.graphs.append(graph)
+        self._graph_refs.append(weakref.ref(graph))
+        self._stats.append(graph.stats)
+        if self.model is not None or self._trace is None:
+            return
+        new_step = False
+        microbatch = None
+        if self._auto:
+            microbatch = _pipeline_microbatch()
+            if microbatch is not None:
+                new_step = microbatch != self._last_microbatch and microbatch in self._microbatches
+            elif self._phase == "backward":
+                new_step = not self._graphs_in_flight()
+        if new_step or self._phase == "backward":
+            self._open("forward", new_step)
+        if microbatch is not None:
+            self._microbatches.add(microbatch)
+            self._last_microbatch = microbatch
+        self._step_has_work = True
+
+    def _graphs_in_flight(self) -> bool:
+        """Whether a graph of the current step (before the one just added) is alive
+        with a handle that no backward has read yet."""
+        for ref in self._graph_refs[self._step_first_graph:-1]:
+            g = ref()
+            if g is not None and any(h.consumed_task is None for h in list(g.handles)):
+                return True
+        return False
 
     def _note_plan(self, fqn: str, plan: Any) -> None:
         """A :class:`ac2_dist.MemoryBudget` plan that a region of ``fqn`` follows (or made)."""
@@ -375,26 +613,24 @@ class Tracker:
 
     def _finish(self, trace: AllocationTrace) -> None:
         r = self._report
-        phases = trace.phases
-        if not self._cuda:  # CUDA peaks come from the allocator's statistics (phase hooks)
-            for name, phase in phases.items():
-                kind, _, step = name.partition(":")
-                forward = phases.get(f"forward:{step}")
-                base = forward.start_bytes if forward is not None else 0  # live when the step began
-                if kind == "forward":
-                    r.peak_bytes_forward = max(r.peak_bytes_forward, phase.peak_bytes - base)
-                    r.live_bytes_after_forward = max(r.live_bytes_after_forward, phase.end_bytes - base)
-                elif kind == "backward":
-                    r.peak_bytes_backward = max(r.peak_bytes_backward, phase.peak_bytes - base)
-        else:
-            r.peak_bytes_backward = max(r.peak_bytes_backward, torch.cuda.max_memory_allocated() - self._cuda_step_base)
-        r.allgathers_backward = sum(
-            trace.calls_after(name) - trace.calls_after(f"forward:{int(name.split(':')[1]) + 1}")
-            for name in trace.phases
-            if name.startswith("backward:")
-        )
-        for g in self.graphs:
-            s = g.stats
+        segments = {int(name): phase for name, phase in trace.segments if name.isdigit()}
+        bases: dict[int, int] = {}
+        for k, span in enumerate(self._spans):
+            phase = segments.get(k)
+            if phase is not None:
+                span.calls = phase.calls
+                if not self._cuda:  # CUDA spans were read from the allocator's statistics
+                    span.start, span.peak, span.end = phase.start_bytes, phase.peak_bytes, phase.end_bytes
+            if span.step == 0:
+                continue
+            base = bases.setdefault(span.step, span.start)  # allocated when the step began
+            if span.kind == "forward":
+                r.peak_bytes_forward = max(r.peak_bytes_forward, span.peak - base)
+                r.live_bytes_after_forward = max(r.live_bytes_after_forward, span.end - base)
+            else:
+                r.peak_bytes_backward = max(r.peak_bytes_backward, span.peak - base)
+                r.allgathers_backward += span.calls
+        for s in self._stats:
             r.recomputed_ops += s.recomputed_ops
             r.recomputed_bytes += s.recomputed_bytes
             r.replay_seconds += s.replay_seconds
@@ -410,9 +646,25 @@ class Tracker:
 def track(model: nn.Module | None = None) -> Tracker:
     """Track memory over one or more steps on this rank (a context manager).
 
-    With ``model``, forward and backward are told apart by hooks on it: its forward
-    starts a step, and everything after it returns (loss, backward) is the backward
-    phase. Without, a step's backward phase starts at its first replay.
+    A step is one training iteration: its forward and backward phases (interleaved
+    under a pipeline schedule), with figures above what was allocated when it began.
+    With ``model``, forward and backward are told apart by hooks on it: its forward is
+    a forward phase and everything after it returns (loss, backward) a backward phase.
+    Without, a forward phase runs from a region's start to its first replay.
+
+    A new step starts at a forward (without a model: at a region after a backward) when
+    no forward of the current step is in flight, i.e. still waiting for its backward, so
+    forwards differentiated later make one step with the first (GPipe's microbatches,
+    several losses summed before one backward), while each forward-backward pair of
+    plain training is a step. A forward is in flight from its return (if its output has
+    a ``grad_fn``; never under ``torch.no_grad()``) until a backward through its output
+    ends or its autograd graph is freed: an output kept with grad enabled and never
+    differentiated keeps it in flight. Under a ``torch.distributed.pipelining``
+    schedule, the microbatch index decides instead: a forward of a microbatch that this
+    stage already ran in the current step starts the next step (so 1F1B's last stage,
+    which finishes each microbatch before the next, also reports one step per schedule
+    step). Elsewhere (gradient accumulation, another pipeline framework), call
+    :meth:`Tracker.step` at the start of each iteration: steps are then set by hand only.
     """
     return Tracker(model)
 

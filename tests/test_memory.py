@@ -187,3 +187,22 @@ def test_in_place_ops_leave_no_reference_cycle():
             y = (x @ x).relu_().mul_(w).sum() + h.mul_(w).sum()
         del y, h  # no backward (validation with grad on, an exception, a dropped loss)
     assert _live_nodes() == base
+
+
+def test_allocation_trace_segments_repeat_marks_and_count_calls():
+    """A name marked again starts another segment (``phases[name]`` is the last one);
+    each segment has its own figures and watched calls."""
+    n = 4096
+    with AllocationTrace(watch=frozenset({"aten::ones"})) as trace:
+        for k in (1, 2):
+            trace.mark("a")
+            x = torch.ones(k * n, dtype=torch.uint8)
+            trace.mark("b")
+            del x
+    assert [name for name, _ in trace.segments] == ["a", "b", "a", "b"]
+    (_, a1), (_, b1), (_, a2), (_, b2) = trace.segments
+    assert (a1.start_bytes, a1.peak_bytes, a1.end_bytes, a1.calls) == (0, n, n, 1)
+    assert (b1.start_bytes, b1.peak_bytes, b1.end_bytes, b1.calls) == (n, n, 0, 0)
+    assert (a2.start_bytes, a2.peak_bytes, a2.end_bytes, a2.calls) == (0, 2 * n, 2 * n, 1)
+    assert trace.phases["a"] is a2 and trace.phases["b"] is b2
+    assert trace.whole.peak_bytes == 2 * n and trace.whole.calls == 2

@@ -62,7 +62,8 @@ def test_saved_bytes_match_analytic_sizes(policy, total, by_reason):
 def test_recompute_figures_match_the_graph():
     tracker = _tracked_step("recompute_all")
     report = tracker.report()
-    stats = [g.stats for g in tracker.graphs]
+    stats = tracker.graph_stats  # every region's counters; its graph was freed by backward
+    assert len(stats) == 1 and not list(tracker.graphs)
     # mm and tanh of every layer (tanh_L's backward needs its output; mm_i's needs
     # tanh_{i-1}), and the transposed weight autograd saves for mm: a view of the
     # parameter, replayed from it (Note [Versions of view outputs]; under FSDP the
@@ -295,6 +296,8 @@ def test_report_is_final_when_the_block_exits():
         with ac.apply_ac_policy("recompute_all"):
             y = model(x).sum()
     before = tracker.report().to_dict()
+    graphs = list(tracker.graphs)  # alive while y is
+    assert len(graphs) == 1 and all(g.tracker is None for g in graphs)
     y.backward()
     assert tracker.report().to_dict() == before
     assert all(g.tracker is None for g in tracker.graphs)

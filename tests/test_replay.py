@@ -84,7 +84,7 @@ def test_prefetch_order_grads_and_memory_bound(depth):
     assert max(sampler.alive) <= (1 + depth) * sampler.largest_unit
     # ...and prefetch really ran ahead: more than one unit was alive at some point.
     assert max(sampler.units_alive) == 1 + depth
-    assert all(g.stats.cached_bytes == 0 for g in tracker.graphs)  # all handed out and freed
+    assert all(s.cached_bytes == 0 for s in tracker.graph_stats)  # all handed out and freed
     assert tracker.report().recomputed_ops == base.report().recomputed_ops  # nothing replayed twice
 
 
@@ -191,7 +191,7 @@ def test_side_stream_matches_inline_and_bounds_memory():
         with ac.memory.track(model) as tracker:
             _loss(model, tokens).backward()
         torch.cuda.synchronize()
-        unit = max(g.stats.peak_cached_bytes for g in tracker.graphs)
+        unit = max(s.peak_cached_bytes for s in tracker.graph_stats)  # the graphs died with backward
         return [p.grad for p in model.parameters()], torch.cuda.max_memory_allocated() - base, unit
 
     inline, peak_inline, unit = run(ac.ReplayConfig(stream="inline", prefetch=0))
@@ -240,7 +240,7 @@ def test_partial_retained_backward_with_prefetch_frees_everything():
     ref = torch.autograd.grad(_loss(fresh, tokens), list(fresh.parameters()))
     assert_bitwise(list(ref), list(g1))
     assert_bitwise(list(ref), list(g2))
-    assert all(g.stats.cached_bytes == 0 for g in tracker.graphs)
+    assert all(s.cached_bytes == 0 for s in tracker.graph_stats)
 
 
 def test_two_losses_prefetch_is_not_wasted():
@@ -260,5 +260,5 @@ def test_two_losses_prefetch_is_not_wasted():
             lb.backward()
             la.backward()
         base_ops[prefetch] = tracker.report().recomputed_ops
-        assert all(g.stats.cached_bytes == 0 for g in tracker.graphs)
+        assert all(s.cached_bytes == 0 for s in tracker.graph_stats)
     assert base_ops[1] == base_ops[0]
