@@ -26,7 +26,32 @@ Note [Calibrate, plan, replay the plan]
     planned region answers each op from the plan after checking the op and its output
     shape against it; at a mismatch it switches to another cached plan that agrees so
     far (a structure seen before: other shapes, another dispatch path), and otherwise
-    recomputes the rest and its next call calibrates again.
+    recomputes the rest and its next call calibrates again. The structure is the
+    module's own computation: ops FSDP runs for a nested unit (its all-gathers and their
+    one-time buffers) are not part of it (Note [FSDP's own ops are not structure] in
+    fsdp.py): they are answered PREFER_RECOMPUTE, which a plan answers for them anyway.
+
+Note [A calibration keeps what its plan saves]
+    A calibrating region holds the outputs a plan could save (of the recomputable ops
+    its own frame decides: not views, not in-place writes, not random ops replayed
+    under ``rng="replay"``) until it exits; then, with the plan made, the outputs the
+    plan saves become saved values of the graph (``Graph._save_in_place``, as
+    ``tag_with_policy`` does) -- provided the tensor is still that op's value (same
+    version, still mapped to it; a plan never saves an output written later) -- and
+    the rest are let go. So the calibrating call
+    keeps what later calls keep and backward recomputes what it will recompute on
+    every later step, at the cost of holding one block's op outputs transiently (until
+    the block's forward returns) instead of recomputing them.
+
+Note [Identical blocks share the first step]
+    A module without a plan of its own whose first op matches a cached plan (preferably
+    the plan of its siblings: ``blocks.3`` looks at ``blocks.#``) follows that plan from
+    its first op instead of calibrating, as later steps do; identical blocks therefore
+    follow the first block's plan in the first step. Until the plan first says
+    PREFER_SAVE the region keeps recording as a calibration would (everything was
+    recomputable so far): if it diverges from every cached plan before that point, or
+    ends early, it *is* a calibration and plans on its own. Diverging after a save, it
+    recomputes the rest and its next call calibrates (no following then).
 
 Note [Cost model]
     The recompute cost of an op is a roofline estimate: ``max(flops / F, bytes / W)``
@@ -61,15 +86,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
+from ._graph import flatten_outputs
+from .fsdp import own_ops_scope
 from .side_effects import op_info
 
 __all__ = ["MemoryBudget", "Plan"]
 
 _CP = CheckpointPolicy
 _PS, _PR = _CP.PREFER_SAVE, _CP.PREFER_RECOMPUTE
+# A torch.profiler.record_function scope opens and closes (Note [FSDP's own ops are not
+# structure] in fsdp.py).
+_SCOPE_ENTER = torch.ops.profiler._record_function_enter_new.default
+_SCOPE_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 _MAX_CANDIDATES = 96  # outputs the solver considers saving (the heaviest recomputed ones)
 _EXACT_UP_TO = 12  # candidates up to which the solver enumerates every subset
 
@@ -111,9 +143,12 @@ class MemoryBudget:
         self._lock = threading.Lock()
         self._plans: dict[tuple, Plan] = {}  # structure signature -> plan (shared by equal blocks)
         self._by_fqn: dict[str, Plan] = {}  # the plan a module's next call follows
+        self._recalibrate: set[str] = set()  # modules whose next call calibrates (their last one diverged)
+        self._by_pattern: dict[str, Plan] = {}  # fqn with list indices as '#' -> the plan last used there
         self._resolved: tuple[str, float] | None = None
         self._cost: _CostModel | None = None
         self.plans_made = 0  # solver runs (planning cost paid)
+        self._calibrations = 0  # regions that calibrated (a cached plan may have answered them)
         self._resolve()  # validate now: before any forward runs
 
     # ---- the budget --------------------------------------------------------------------
@@ -172,9 +207,25 @@ class MemoryBudget:
         """The policy of one region (one call of a checkpointed module); called by ac2."""
         return _BudgetRegion(self, module_fqn)
 
-    def _plan_for(self, fqn: str) -> Plan | None:
+    def _plan_for(self, fqn: str) -> tuple[Plan | None, bool]:
+        """(the plan ``fqn``'s call follows, whether a call without one may follow a
+        cached plan of the same structure instead of calibrating)."""
         with self._lock:
-            return self._by_fqn.get(fqn)
+            plan = self._by_fqn.get(fqn)
+            return plan, plan is None and bool(self._plans) and fqn not in self._recalibrate
+
+    def _first_match(self, fqn: str, key: tuple) -> Plan | None:
+        """A cached plan whose first op is ``key`` (a module without a plan of its own
+        follows it: Note [Identical blocks share the first step]); first the plan of its
+        siblings (``blocks.0`` for ``blocks.3``)."""
+        with self._lock:
+            hint = self._by_pattern.get(_fqn_pattern(fqn))
+            if hint is not None and hint.signature and hint.signature[0] == key:
+                return hint
+            for plan in self._plans.values():
+                if plan.signature and plan.signature[0] == key:
+                    return plan
+        return None
 
     def _switch(self, plan: Plan, k: int, key: tuple) -> Plan | None:
         """A cached plan whose first ``k`` ops and decisions equal ``plan``'s and whose
@@ -190,19 +241,25 @@ class MemoryBudget:
     def _follow(self, fqn: str, plan: Plan) -> None:
         with self._lock:
             self._by_fqn[fqn] = plan
+            self._by_pattern[_fqn_pattern(fqn)] = plan
 
     def _forget(self, fqn: str) -> None:
+        """``fqn``'s call diverged from every cached plan: its next call calibrates."""
         with self._lock:
             self._by_fqn.pop(fqn, None)
+            self._recalibrate.add(fqn)
 
     def _adopt(self, fqn: str, problem: _Problem) -> Plan:
         with self._lock:
+            self._calibrations += 1
             plan = self._plans.get(problem.signature)
             if plan is None:
                 plan = problem.plan(self)
                 self._plans[problem.signature] = plan
                 self.plans_made += 1
             self._by_fqn[fqn] = plan
+            self._by_pattern[_fqn_pattern(fqn)] = plan
+            self._recalibrate.discard(fqn)
             return plan
 
     def _cost_model(self, device: torch.device) -> _CostModel:
@@ -213,7 +270,7 @@ class MemoryBudget:
     # ---- what was chosen ------------------------------------------------------------------
     def plan(self, module_fqn: str = "") -> Plan | None:
         """The plan ``module_fqn``'s next call follows (``None`` before its calibration)."""
-        return self._plan_for(module_fqn)
+        return self._plan_for(module_fqn)[0]
 
     def format_plan(self, module_fqn: str | None = None) -> str:
         """A table per planned module: op, output bytes, estimated cost, saved or not."""
@@ -241,6 +298,11 @@ class MemoryBudget:
 
 def _budget_of_bytes(nbytes: Any) -> MemoryBudget:
     return MemoryBudget(bytes=nbytes)
+
+
+def _fqn_pattern(fqn: str) -> str:
+    """``blocks.3.mlp`` -> ``blocks.#.mlp``: the modules of one list share a pattern."""
+    return ".".join("#" if part.isdigit() else part for part in fqn.split("."))
 
 
 # ---- cost model ---------------------------------------------------------------------------
@@ -301,6 +363,7 @@ class _Record:
     seconds: float
     inputs: tuple[int, ...]  # seqs of the nodes it reads
     view: bool
+    held: Any = None  # its output, held until the region exits (Note [A calibration keeps what its plan saves])
 
 
 @dataclass
@@ -487,54 +550,114 @@ class _BudgetRegion:
     def __init__(self, budget: MemoryBudget, fqn: str) -> None:
         self.budget = budget
         self.fqn = fqn
-        self.plan = budget._plan_for(fqn)
+        self.plan, self.may_follow = budget._plan_for(fqn)
         self.calls = 0
+        self.current: int | None = None  # call index of the op being decided (None: not structure)
         self.diverged = False
+        # Observing the ops as a calibration (also while following a cached plan that has
+        # answered only PREFER_RECOMPUTE so far: Note [Identical blocks share the first step]).
+        self.recording = False
         self.signature: list[tuple] = []
         self.records: list[_Record] = []
         self.graph: Any = None
+        self.observing = False  # self._observe is installed on the graph
         self.previous_observer: Any = None
         self.first_handle = 0
+        self.allow_mutation = False
         self.cost: _CostModel | None = None
+        self.scopes: list[tuple[int, bool]] = []  # open FSDP profiler scopes: (handle key, FSDP's own ops)
+        self.fsdp_own = False  # inside a scope of FSDP's own ops (Note [FSDP's own ops are not structure])
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if (op is _SCOPE_ENTER or op is _SCOPE_EXIT) and self._fsdp_scope(op, args, ctx.op_output):
+            self.current = None
+            return _PR
+        if self.fsdp_own:  # FSDP's own op: not structure, never saved by a plan
+            self.current = None
+            return _PR
         k = self.calls
         self.calls = k + 1
-        shape = _first_shape(ctx.op_output)
+        self.current = k
+        key = (op, _first_shape(ctx.op_output))
         plan = self.plan
         if plan is None:  # calibrating
-            self.signature.append((op, shape))
+            if k == 0 and self.may_follow:  # Note [Identical blocks share the first step]
+                plan = self.budget._first_match(self.fqn, key)
+                if plan is not None:
+                    self.plan = plan
+                    return self._recorded(plan.decisions[0], key)
+            self.signature.append(key)
             return _PR
         if self.diverged:
             return _PR
-        key = (op, shape)
         if k < len(plan.signature) and plan.signature[k] == key:
-            return plan.decisions[k]
+            decision = plan.decisions[k]
+            return self._recorded(decision, key) if self.recording else decision
         other = self.budget._switch(plan, k, key)
         if other is not None:  # another cached structure that agrees so far: follow it
             self.plan = other
-            return other.decisions[k]
+            decision = other.decisions[k]
+            return self._recorded(decision, key) if self.recording else decision
+        if self.recording:  # nothing saved so far: this region is a calibration after all
+            self.plan = None
+            self.signature.append(key)
+            return _PR
         self.diverged = True  # an unknown structure: recompute the rest, calibrate next time
         return _PR
+
+    def _recorded(self, decision: CheckpointPolicy, key: tuple) -> CheckpointPolicy:
+        """A plan's decision in a region still recording as a possible calibration: it
+        stops at the plan's first save (it can no longer be one)."""
+        if decision is _PS:
+            self.recording = False
+            self.signature = []
+            self.records = []
+        else:
+            self.signature.append(key)
+        return decision
+
+    def _fsdp_scope(self, op: Any, args: tuple, out: Any) -> bool:
+        """Track FSDP's profiler scopes; True for the op that opens or closes one (Note
+        [FSDP's own ops are not structure] in fsdp.py)."""
+        scopes = self.scopes
+        if op is _SCOPE_ENTER:
+            own = own_ops_scope(args[0] if args else None)
+            if own is None:
+                return False
+            scopes.append((_handle_key(out), own))
+            self.fsdp_own = own
+            return True
+        if scopes and args and _handle_key(args[0]) == scopes[-1][0]:
+            scopes.pop()
+            self.fsdp_own = scopes[-1][1] if scopes else False
+            return True
+        return False
 
     # ---- region hooks (Note [Region-scoped policies] in _policy.py) ------------------------
     def region_enter(self, graph: Any) -> None:
         if graph is None:  # no grad: nothing is recorded
             return
         self.graph = graph
-        if graph.tracker is not None and self.plan is not None:
-            graph.tracker._note_plan(self.fqn, self.plan)
-        if self.plan is None:
-            self.previous_observer = graph.observer
-            graph.observer = self._observe
-            self.first_handle = graph.packed
+        if self.plan is not None:
+            if graph.tracker is not None:
+                graph.tracker._note_plan(self.fqn, self.plan)
+            return
+        frames = graph.frames
+        self.allow_mutation = bool(frames) and frames[-1].fn is self and frames[-1].allow_mutation
+        self.recording = True
+        self.observing = True
+        self.previous_observer = graph.observer
+        graph.observer = self._observe
+        self.first_handle = graph.packed
 
     def _observe(self, node: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         previous = self.previous_observer
         if previous is not None:
             previous(node, func, args, kwargs, out)
+        if not self.recording:
+            return
         info = op_info(func)
-        call = None if info.ignored else self.calls - 1
+        call = None if info.ignored else self.current
         view = info.returns_alias or info.view_src is not None
         nbytes = 0 if view else _tensor_bytes(out)
         if self.cost is None:
@@ -542,20 +665,37 @@ class _BudgetRegion:
                           torch.device("cpu"))
             self.cost = self.budget._cost_model(device)
         flops, seconds = (0, 0.0) if view else self.cost.estimate(func, args, kwargs, out)
+        # Note [A calibration keeps what its plan saves]: hold what a plan could save.
+        frames = self.graph.frames
+        held = out if (
+            call is not None and nbytes > 0 and node.saved is None and node.rng is None and not node.must_recompute
+            and not node.writes and node.via is None and frames and frames[-1].fn is self
+        ) else None
         self.records.append(_Record(node.seq, call, func, node, nbytes, flops, seconds,
-                                    tuple(m.seq for _, m, _ in node.inputs), view))
+                                    tuple(m.seq for _, m, _ in node.inputs), view, held))
 
     def region_exit(self, graph: Any, failed: bool) -> None:
         if self.graph is None:
             return
-        if self.plan is not None:
-            if self.diverged:
-                self.budget._forget(self.fqn)
-            else:
-                self.budget._follow(self.fqn, self.plan)  # it may have switched plans
-            return
-        graph.observer = self.previous_observer
+        if self.observing:
+            graph.observer = self.previous_observer
+        plan = self.plan
+        if plan is not None:
+            if failed:
+                self.records = []
+                return
+            if not self.diverged and self.calls == len(plan.signature):
+                self.records = []
+                self.budget._follow(self.fqn, plan)  # it may have switched plans
+                if self.observing and graph.tracker is not None:  # followed a cached plan from the start
+                    graph.tracker._note_plan(self.fqn, plan)
+                return
+            if not self.recording:
+                self.budget._forget(self.fqn)  # calibrate next time
+                return
+            # A shorter structure, and the plan saved nothing so far: a calibration after all.
         if failed:
+            self.records = []
             return
         targets = {h.node.seq for h in graph.live_handles() if h.seq > self.first_handle}
         forced = {r.seq for r in self.records if r.node.saved is not None and all(s is not None for s in r.node.saved)}
@@ -569,10 +709,53 @@ class _BudgetRegion:
                         if m.alias_of is not None:  # its storage's owner (Note [Aliases a schema ...])
                             written.add(m.alias_of[0].seq)
         problem = _Problem(self.records, targets, forced, written, tuple(self.signature))
-        self.records = []  # let the nodes go
         plan = self.budget._adopt(self.fqn, problem)
+        self._keep_planned(graph, plan)
+        self.records = []  # let the nodes and the held outputs go
         if graph.tracker is not None:
             graph.tracker._note_plan(self.fqn, plan)
+
+    def _keep_planned(self, graph: Any, plan: Plan) -> None:
+        """Save the held outputs the plan saves (Note [A calibration keeps what its plan saves])."""
+        gmap = graph.map
+        decisions = plan.decisions
+        if gmap is None or _PS not in decisions:
+            return
+        # The region's frame is gone but the tracer may still be installed: what saving
+        # runs (an alias of the value) is not an op of any region.
+        with _disable_current_modes():
+            self._save_held(graph, gmap, decisions)
+
+    def _save_held(self, graph: Any, gmap: Any, decisions: tuple) -> None:
+        for r in self.records:
+            if r.held is None or r.call >= len(decisions) or decisions[r.call] is not _PS:
+                continue
+            node = r.node
+            if node.cut or node.must_recompute:
+                continue
+            kept = False
+            for t in flatten_outputs(r.held):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                e = gmap.get(t)
+                if e is None or e[1] is not node or (e[3] is not None and e[3] != t._version):
+                    continue  # no longer this op's value (written since, or remapped)
+                if node.saved is not None and node.saved[e[2]] is not None:
+                    continue
+                graph._save_in_place(node, e[2], t, _PS, "policy", self.allow_mutation)
+                kept = True
+            if kept:
+                graph.stats.saved_nodes += 1
+
+
+def _handle_key(handle: Any) -> int:
+    """Identifies a record_function handle: the ``ScriptObject`` that reaches the exit op
+    is a new Python wrapper of the one the enter op returned; its hash is the object's
+    address (alive while the scope is open)."""
+    try:
+        return hash(handle)
+    except TypeError:
+        return id(handle)
 
 
 def _first_shape(out: Any) -> tuple | None:

@@ -21,6 +21,23 @@ Note [FSDP units are region boundaries]
     than FSDP's own pre-backward would have). That is also what a checkpointed module
     around a whole FSDP model does: its first replay unshards every unit.
 
+Note [FSDP's own ops are not structure]
+    FSDP2 runs ops of its own inside a nested unit's forward hooks: the all-gather and
+    its copy-in / copy-out, and on a unit's first unshard only, the allocation of the
+    all-gather outputs and the ``as_strided`` views that become the unsharded
+    parameters (``FSDPParam.init_all_gather_outputs`` / ``init_unsharded_param``).
+    They are collectives, ``fsdp::`` copies, allocations and views of FSDP's buffers,
+    never a value the module computes, and which of them run depends on FSDP's state.
+    A memory budget matches its plans on the structure of a module's own computation
+    (budget.py), so it leaves them out: FSDP wraps each phase in a
+    ``torch.profiler.record_function`` scope named ``FSDP::...`` (a dispatched op pair,
+    ``profiler::_record_function_enter_new`` / ``_record_function_exit``, profiler or
+    not), and every op inside such a scope is FSDP's own, except in the scopes where
+    FSDP transforms the module's inputs or outputs (:data:`_FSDP_DATA_SCOPES`: device
+    moves and mixed-precision casts), whose ops are the module's data. (The pre-forward
+    scope also holds the views of the unit's inputs that hook its post-backward: views,
+    which no plan saves either way.)
+
 Note [Replays unshard what they read]
     Leaves that are a unit's unsharded parameters remember their unit. When a replay
     takes such a leaf while the unit is resharded, it first calls the unit's
@@ -43,7 +60,10 @@ try:
 except ImportError:  # torch built without distributed
     FSDPModule = None  # type: ignore[assignment,misc]
 
-__all__ = ["is_fsdp_unit", "unsharded_params", "is_unsharded", "ensure_unsharded"]
+__all__ = ["is_fsdp_unit", "unsharded_params", "is_unsharded", "ensure_unsharded", "own_ops_scope"]
+
+#: FSDP profiler scopes whose ops compute the module's data (Note [FSDP's own ops are not structure]).
+_FSDP_DATA_SCOPES = ("FSDP::inputs_to_device", "FSDP::cast_forward_inputs", "FSDP::cast_forward_outputs")
 
 
 def is_fsdp_unit(module: nn.Module) -> bool:
@@ -79,3 +99,11 @@ def ensure_unsharded(unit_ref: weakref.ref) -> bool:
         return False
     module.unshard()  # async_op=False: returns once the parameters hold their data
     return True
+
+
+def own_ops_scope(name: Any) -> bool | None:
+    """For a ``record_function`` scope name: ``None`` if it is not an FSDP scope, else
+    whether the ops inside it are FSDP's own (Note [FSDP's own ops are not structure])."""
+    if type(name) is not str or not name.startswith("FSDP::"):
+        return None
+    return not name.startswith(_FSDP_DATA_SCOPES)
