@@ -24,7 +24,7 @@ check_torch()  # Note [Supported torch versions] (_compat.py)
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
 from . import fsdp, memory  # noqa: E402
-from ._dropin import checkpoint, checkpoint_sequential  # noqa: E402
+from ._dropin import checkpoint, checkpoint_sequential, checkpoint_with  # noqa: E402
 from ._graph import GraphStats  # noqa: E402
 from ._modules import apply_ac, is_checkpointed, unwrap, wrap  # noqa: E402
 from ._policy import SAVE_WITH_HOOKS, PolicyContext  # noqa: E402
@@ -45,6 +45,7 @@ __all__ = [
     "apply_ac_policy_fn",
     "checkpoint",
     "checkpoint_sequential",
+    "checkpoint_with",
     "fsdp",
     "is_checkpoint_enabled",
     "is_checkpointed",

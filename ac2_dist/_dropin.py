@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -46,13 +47,30 @@ from .compile import (
     is_compiling,
 )
 
-__all__ = ["checkpoint", "checkpoint_sequential", "is_ac2_checkpoint"]
+__all__ = ["checkpoint", "checkpoint_sequential", "checkpoint_with", "is_ac2_checkpoint"]
 
 _DETERMINISM = ("default", "none")
 _REENTRANT = (
     "ac2_dist.checkpoint(use_reentrant=True): ac2 has a single implementation, which works like "
     "torch's non-reentrant checkpoint (autograd.grad, keyword arguments and inputs that do not "
     "require grad all work); use_reentrant is ignored. Pass use_reentrant=False to silence this."
+)
+
+
+class _Unset:
+    """The default of an ac2 keyword of :func:`checkpoint`: not passed."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET: Any = _Unset()
+_AC2_KEYWORDS = ("policy", "policy_factory", "allow_cache_entry_mutation")
+_TO_FUNCTION = (
+    "ac2_dist.checkpoint: {fn} accepts **kwargs, so the keyword {name!r} was passed to it, as "
+    "torch.utils.checkpoint.checkpoint does with every keyword it does not know. To give ac2 a "
+    "{name} for this call, use ac2_dist.checkpoint_with({name}=...)(function, *args, **kwargs); "
+    "to pass it to the function without this warning, do the same with no ac2 option."
 )
 
 
@@ -64,10 +82,10 @@ def checkpoint(
     determinism_check: str = "default",
     debug: bool = False,
     preserve_rng_state: bool = True,
-    policy: PolicyLike | None = None,
-    policy_factory: Callable[[], PolicyLike] | None = None,
     early_stop: bool = True,
-    allow_cache_entry_mutation: bool = False,
+    policy: PolicyLike | None = _UNSET,
+    policy_factory: Callable[[], PolicyLike] | None = _UNSET,
+    allow_cache_entry_mutation: bool = _UNSET,
     **kwargs: Any,
 ) -> Any:
     """``function(*args, **kwargs)`` checkpointed by ac2; a drop-in for
@@ -85,20 +103,135 @@ def checkpoint(
             trace to print.
         preserve_rng_state: ``True`` regenerates random ops' bits in backward
             (``rng="replay"``), ``False`` keeps their outputs (``rng="save"``).
+        early_stop: accepted (bool); ac2 always replays only what backward needs.
         policy: an ac2 policy (CONTRACT §2); default ``"recompute_all"``.
         policy_factory: instead of ``policy``, a zero-argument callable called per call.
-        early_stop: accepted (bool); ac2 always replays only what backward needs.
         allow_cache_entry_mutation: as for :class:`ac2_dist.apply_ac_policy`.
         **kwargs: passed to ``function``.
+
+    Note [The function's keywords are the function's]
+        torch passes every keyword it does not know to ``function``; so does this
+        drop-in, also for ``policy``, ``policy_factory`` and
+        ``allow_cache_entry_mutation`` whenever ``function`` can take them: a parameter of
+        that name (silently, as torch), or ``**kwargs`` (with a warning naming the
+        keyword). ac2 takes them only from a function that cannot. ``checkpoint_with(
+        policy=...)`` binds ac2's options outside the call, so nothing the function
+        receives can collide with them.
 
     Returns:
         What ``function`` returns. Inside ``torch.compile`` the call is one
         checkpointed region of the compiled graph with the same policy.
     """
+    options = {"policy": policy, "policy_factory": policy_factory,
+               "allow_cache_entry_mutation": allow_cache_entry_mutation}
+    ac2: dict[str, Any] = {}
+    for name, value in options.items():
+        if value is _UNSET:
+            continue
+        if _function_takes(function, name):  # Note [The function's keywords are the function's]
+            kwargs[name] = value
+        else:
+            ac2[name] = value
+    return _checkpoint(
+        function, args, kwargs, use_reentrant, context_fn, determinism_check, debug, preserve_rng_state,
+        early_stop, ac2.get("policy"), ac2.get("policy_factory"), None,
+        bool(ac2.get("allow_cache_entry_mutation", False)), stacklevel=3,
+    )
+
+
+class checkpoint_with:  # noqa: N801 -- used like a function: checkpoint_with(policy=...)(fn, x)
+    """``torch.utils.checkpoint.checkpoint``'s signature, run by ac2 with the options
+    bound here; every keyword of a call except torch's own goes to the function.
+
+    ::
+
+        ckpt = ac2_dist.checkpoint_with(policy=["mm"], rng="replay")
+        y = ckpt(block, x, use_reentrant=False, policy=1)   # block receives policy=1
+
+    Args:
+        policy: an ac2 policy (CONTRACT §2); default ``"recompute_all"``.
+        policy_factory: instead of ``policy``, a zero-argument callable called per call.
+        rng: ``"replay"`` or ``"save"``; ``None`` (the default) follows each call's
+            ``preserve_rng_state`` as :func:`checkpoint` does.
+        allow_cache_entry_mutation: as for :class:`ac2_dist.apply_ac_policy`.
+
+    Instances are picklable (when the policy is) and recognized by frameworks as ac2's
+    checkpoint (``integrations.hf`` installs one per model).
+    """
+
+    def __init__(
+        self,
+        policy: PolicyLike | None = None,
+        *,
+        policy_factory: Callable[[], PolicyLike] | None = None,
+        rng: str | None = None,
+        allow_cache_entry_mutation: bool = False,
+    ) -> None:
+        if rng is not None and rng not in ("replay", "save"):
+            raise ValueError(f"ac2_dist.checkpoint_with: rng must be 'replay', 'save' or None, got {rng!r}")
+        if not isinstance(allow_cache_entry_mutation, bool):
+            raise TypeError(
+                f"ac2_dist.checkpoint_with: allow_cache_entry_mutation must be a bool, got {allow_cache_entry_mutation!r}"
+            )
+        PolicySource(policy, policy_factory, rng=rng or "replay", allow_mutation=allow_cache_entry_mutation,
+                     module_fqn="", where="checkpoint_with")  # validates now, not at the first call
+        self.policy = policy
+        self.policy_factory = policy_factory
+        self.rng = rng
+        self.allow_cache_entry_mutation = allow_cache_entry_mutation
+
+    def __call__(
+        self,
+        function: Callable[..., Any],
+        *args: Any,
+        use_reentrant: bool | None = None,
+        context_fn: Callable[[], tuple[Any, Any]] | None = None,
+        determinism_check: str = "default",
+        debug: bool = False,
+        preserve_rng_state: bool = True,
+        early_stop: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        """``function(*args, **kwargs)`` checkpointed with this object's options."""
+        return _checkpoint(
+            function, args, kwargs, use_reentrant, context_fn, determinism_check, debug, preserve_rng_state,
+            early_stop, self.policy, self.policy_factory, self.rng, self.allow_cache_entry_mutation,
+            stacklevel=3,
+        )
+
+    def __repr__(self) -> str:
+        return (f"ac2_dist.checkpoint_with(policy={self.policy!r}, policy_factory={self.policy_factory!r}, "
+                f"rng={self.rng!r}, allow_cache_entry_mutation={self.allow_cache_entry_mutation!r})")
+
+
+def _function_takes(function: Any, name: str) -> bool:
+    """Whether ``function`` can receive the keyword ``name`` (Note [The function's
+    keywords are the function's]); warns when only through ``**kwargs``."""
+    target = function.forward if isinstance(function, torch.nn.Module) else function
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: it takes no such keyword
+        return False
+    param = params.get(name)
+    if param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+        return True
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        fn_name = getattr(function, "__qualname__", None) or type(function).__name__
+        warnings.warn(_TO_FUNCTION.format(fn=fn_name, name=name), UserWarning, stacklevel=3)
+        return True
+    return False
+
+
+def _checkpoint(
+    function: Callable[..., Any], args: tuple, kwargs: dict, use_reentrant: Any, context_fn: Any,
+    determinism_check: Any, debug: Any, preserve_rng_state: Any, early_stop: Any, policy: Any,
+    policy_factory: Any, rng: str | None, allow_cache_entry_mutation: bool, stacklevel: int,
+) -> Any:
+    """:func:`checkpoint` and :class:`checkpoint_with`, their arguments sorted out."""
     if use_reentrant not in (None, False, True):
         raise TypeError(f"ac2_dist.checkpoint: use_reentrant must be a bool or None, got {use_reentrant!r}")
     if use_reentrant:
-        warnings.warn(_REENTRANT, UserWarning, stacklevel=2)  # the default filter: once per call site
+        warnings.warn(_REENTRANT, UserWarning, stacklevel=stacklevel)  # the default filter: once per call site
     if determinism_check not in _DETERMINISM:
         raise ValueError(
             f"ac2_dist.checkpoint: determinism_check should be one of {list(_DETERMINISM)}, "
@@ -114,7 +247,8 @@ def checkpoint(
             "ac2_dist.checkpoint: pass a policy either as context_fn (torch's selective checkpoint) "
             "or as policy / policy_factory, not both"
         )
-    rng = "replay" if preserve_rng_state else "save"
+    if rng is None:
+        rng = "replay" if preserve_rng_state else "save"
     if context_fn is not None:
         if not callable(context_fn):
             raise TypeError(f"ac2_dist.checkpoint: context_fn must be a callable returning two contexts, got {context_fn!r}")
@@ -205,7 +339,8 @@ def checkpoint_sequential(
 
 
 def is_ac2_checkpoint(func: Any) -> bool:
-    """Whether ``func`` is :func:`checkpoint` (possibly a ``functools.partial`` of it)."""
+    """Whether ``func`` is :func:`checkpoint` or a :class:`checkpoint_with` (possibly a
+    ``functools.partial`` of either)."""
     while isinstance(func, functools.partial):
         func = func.func
-    return func is checkpoint
+    return func is checkpoint or isinstance(func, checkpoint_with)

@@ -33,6 +33,18 @@ Note [One policy, two executors]
     in the compiled backward), and so are random ops (the compiled backward reuses
     the forward's bits). What only the eager executor can do (``SAVE_WITH_HOOKS``,
     CPU offload) is refused with an error naming the op and the feature.
+
+Note [Random writes in the dynamo fallback]
+    Where dynamo breaks the graph inside a checkpointed block it runs torch's selective
+    checkpoint eagerly with :class:`CompiledPolicy` (Note [Dynamo fallback of a
+    compiled region]). There an in-place random op (CPU dropout's ``bernoulli_``) must
+    not be saved: torch caches the tensor it returns, the next op writes it in place
+    (``div_``) and torch refuses the mutated cache entry in backward. The policy
+    therefore answers PREFER_RECOMPUTE for random ops that write their argument when it
+    sees real tensors (eager execution, not AOTAutograd's fake ones): torch's checkpoint
+    restores the RNG state before recomputing (``preserve_rng_state=True``, which ac2
+    always passes), so the recomputed bits are the forward's, whatever ``rng`` says.
+    Out-of-place random ops are still saved, and the compiled path is unchanged.
 """
 
 from __future__ import annotations
@@ -190,8 +202,20 @@ class CompiledPolicy:
                     f"{'random' if info.is_rng else info.side_effect.value} op and is never "
                     "recomputed (CONTRACT §3). Return a save or PREFER_* policy for it."
                 )
+            if info.is_rng and info.written and _real(args):  # Note [Random writes in the dynamo fallback]
+                return _CP.PREFER_RECOMPUTE
             return _CP.MUST_SAVE
         return decision
+
+
+def _real(args: tuple) -> bool:
+    """Whether the first tensor argument is a real tensor (not AOTAutograd's fake one)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return not is_fake(a)
+    return False
 
 
 def in_eager_fallback() -> bool:

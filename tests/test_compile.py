@@ -258,6 +258,36 @@ def test_random_ops_are_saved_not_recomputed_in_the_compiled_backward():
     _close(eager, compiled)  # aot_eager draws from the eager generator: the same masks
 
 
+class _BrokenDropoutBlock(nn.Module):
+    """Linear -> CPU dropout -> graph break -> Linear: dynamo runs the block's checkpoint
+    eagerly (Note [Random writes in the dynamo fallback])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.drop, self.b = nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.drop(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h).relu()
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("rng", ["replay", "save"])
+def test_graph_break_inside_a_block_with_cpu_dropout_matches_eager(rng, backend):
+    _reset()
+    torch.manual_seed(0)
+    eager = nn.Sequential(_BrokenDropoutBlock(), _BrokenDropoutBlock()).train()
+    model = torch.compile(ac.apply_ac(copy.deepcopy(eager), modules=[_BrokenDropoutBlock], rng=rng),
+                          backend=backend)
+    x = torch.randn(4, 16)
+    for seed in (1, 2):  # the second step runs the compiled code again
+        want, got = _grads(eager, x, seed=seed), _grads(model, x, seed=seed)
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert torch.equal(a, b), f"grad {i} differs at seed {seed}"
+    assert _graph_breaks()  # the case under test: dynamo did break inside the block
+
+
 # ---- eager-only features: refused or announced --------------------------------------------
 
 

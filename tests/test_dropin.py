@@ -303,6 +303,70 @@ def test_checkpoint_sequential_passes_policy_on():
     assert len(made) == 1  # two segments: the first is checkpointed, the last runs plainly
 
 
+# ---- the function's keywords (issue 19 item 12) -------------------------------------------------
+
+
+def _keyword_fn(x, policy=False, policy_factory=None, allow_cache_entry_mutation=0):
+    """A function whose own keywords share ac2's names."""
+    scale = 2.0 if policy is True else 1.0
+    scale += 3.0 if policy_factory == "f" else 0.0
+    return (x * scale + allow_cache_entry_mutation).tanh()
+
+
+def test_checkpoint_passes_the_functions_own_keywords_like_torch():
+    x = torch.randn(4, 8, requires_grad=True)
+    kw = {"policy": True, "policy_factory": "f", "allow_cache_entry_mutation": 5}
+    want = torch_checkpoint(_keyword_fn, x, use_reentrant=False, **kw)
+    (gw,) = torch.autograd.grad(want.sum(), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a named parameter: passed on silently, as torch does
+        got = ac.checkpoint(_keyword_fn, x, use_reentrant=False, **kw)
+    (gg,) = torch.autograd.grad(got.sum(), x)
+    assert_bitwise(want, got)
+    assert_bitwise(gw, gg)
+
+
+def test_checkpoint_passes_policy_to_a_function_with_var_kwargs_and_warns():
+    seen = {}
+
+    def fn(x, **kwargs):
+        seen.update(kwargs)
+        return x.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"accepts \*\*kwargs, so the keyword 'policy' was passed to it"):
+        ac.checkpoint(fn, x, policy="must_save_all").sum().backward()
+    assert seen == {"policy": "must_save_all"}
+
+
+def test_checkpoint_takes_policy_from_a_function_that_cannot_receive_it():
+    block = MLP(8)
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="unknown policy string"):  # ac2's, validated as before
+        ac.checkpoint(block, x, policy="save_some")
+    with ac.memory.track() as tracker:
+        ac.checkpoint(block, x, policy="must_save_all").sum().backward()
+    assert tracker.graph_stats and all(s.recomputed_ops == 0 for s in tracker.graph_stats)
+
+
+def test_checkpoint_with_binds_ac2_options_and_gives_every_keyword_to_the_function():
+    x = torch.randn(4, 8, requires_grad=True)
+    ckpt = ac.checkpoint_with(policy="must_save_all", rng="save")
+    assert pickle.loads(pickle.dumps(ckpt)).policy == "must_save_all"
+    assert "must_save_all" in repr(ckpt)
+    kw = {"policy": True, "policy_factory": "f", "allow_cache_entry_mutation": 5}
+    want = torch_checkpoint(_keyword_fn, x, use_reentrant=False, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = ckpt(_keyword_fn, x, use_reentrant=False, **kw)
+    assert_bitwise(want, got)
+    assert ac._dropin.is_ac2_checkpoint(ckpt) and ac._dropin.is_ac2_checkpoint(functools.partial(ckpt, debug=False))
+    with pytest.raises(ValueError, match="rng must be 'replay', 'save' or None"):
+        ac.checkpoint_with(rng="sometimes")
+    with pytest.raises(TypeError, match="pass either policy or policy_factory"):
+        ac.checkpoint_with("recompute_all", policy_factory=lambda: "recompute_all")
+
+
 # ---- is_checkpointed ------------------------------------------------------------------------
 
 

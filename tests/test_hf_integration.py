@@ -168,7 +168,7 @@ class _NoCheckpointing(T.LlamaForCausalLM):
 
 
 def test_bad_input_is_named():
-    with pytest.raises(TypeError, match="model must be a transformers.PreTrainedModel, got Linear"):
+    with pytest.raises(TypeError, match=r"model must be a transformers.PreTrainedModel \(or a PEFT model around one\), got Linear"):
         hf.enable(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="model must be a transformers.PreTrainedModel"):
         hf.disable("model")
@@ -182,6 +182,45 @@ def test_bad_input_is_named():
         hf.enable(_llama(1), every_n_layers=0)
     with pytest.raises(ValueError, match="unknown policy string"):
         hf.enable(_llama(1), policy="save_some")
+
+
+def test_peft_model_is_accepted_and_lora_grads_match_eager():
+    import peft  # the test extra has it
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    eager = peft.get_peft_model(_llama(2), config).train()
+    model = copy.deepcopy(eager)
+    assert hf.enable(model) is model
+    assert hf.is_enabled(model) and _is_checkpointing(model.get_base_model())
+    ids = _ids()
+    _assert_same(_grads(eager, ids), _grads(model, ids))
+    assert any(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+    assert hf.disable(model) is model
+    assert not hf.is_enabled(model) and not _is_checkpointing(model.get_base_model())
+
+
+@pytest.mark.parametrize("name", ["activation_checkpointing_enable", "gradient_checkpointing_enable"])
+def test_enable_from_an_instance_override_of_hfs_switch(name):
+    """Trainer's switch selects ac2 when the switch is overridden on the instance: no recursion."""
+    if not hasattr(T.PreTrainedModel, name):
+        pytest.skip(f"transformers {T.__version__} has no {name}")
+    eager = _llama(2).train()
+    model = copy.deepcopy(eager)
+    calls = []
+
+    def override(*args, **kwargs):
+        calls.append(kwargs)
+        return hf.enable(model, policy=[torch.ops.aten.mm.default])
+
+    setattr(model, name, override)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the deprecated alias
+        getattr(model, name)()
+    assert len(calls) == 1 and hf.is_enabled(model)
+    assert getattr(model, name) is override  # the instance's override is back in place
+    ids = _ids()
+    _assert_same(_grads(eager, ids), _grads(model, ids))
+    hf.disable(model)
+    assert not hf.is_enabled(model)
 
 
 def test_importing_ac2_dist_never_imports_transformers():

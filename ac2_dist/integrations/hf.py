@@ -11,35 +11,69 @@ Note [Through HF's own switch]
     does for checkpointed layers keeps working: ``is_gradient_checkpointing`` is true,
     caches are disabled in training, ``every_n_layers``, input grads for embeddings,
     ``save_pretrained``) and then gives every module HF set up the checkpointing
-    function ``functools.partial(ac2_dist.checkpoint, ...)`` in place of torch's. HF
+    function ``ac2_dist.checkpoint_with(...)`` in place of torch's. HF
     calls it as ``func(partial(layer.forward, **kwargs), *args)`` in training mode
     only, so generation and evaluation run the plain forward. Do not also set
     ``TrainingArguments(gradient_checkpointing=True)``: the Trainer would switch the
     model back to torch's checkpoint (the model already reports checkpointing on).
+
+Note [HF's methods, not the instance's]
+    transformers honours ``activation_checkpointing_enable`` /
+    ``gradient_checkpointing_enable`` overridden on the *instance* (the natural way to
+    make Trainer's switch select ac2: ``model.activation_checkpointing_enable = lambda
+    **kw: hf.enable(model)``). HF's class method looks those attributes up on the
+    instance again, so calling it from :func:`enable` would re-enter the override.
+    :func:`enable` and :func:`disable` therefore run the class's methods with the
+    instance's overrides hidden for the duration of the call (restored after), so
+    class-level overrides (custom model code) still run and instance ones do not.
+
+Note [What users hold]
+    ``peft.get_peft_model`` returns a ``PeftModel`` around the ``PreTrainedModel``; HF's
+    own switch works on it (attribute forwarding), so :func:`enable`, :func:`disable` and
+    :func:`is_enabled` accept it too and act on ``get_base_model()``.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 import transformers
 
-from .._dropin import checkpoint, is_ac2_checkpoint
+from .._dropin import checkpoint_with, is_ac2_checkpoint
 from .._policy import PolicyLike, PolicySource
 
 __all__ = ["enable", "disable", "is_enabled"]
 
+_SWITCHES = ("activation_checkpointing_enable", "gradient_checkpointing_enable",
+             "activation_checkpointing_disable", "gradient_checkpointing_disable")
 
 
-def _check_model(model: Any, where: str) -> None:
-    if not isinstance(model, transformers.PreTrainedModel):
-        raise TypeError(
-            f"ac2_dist.integrations.hf.{where}: model must be a transformers.PreTrainedModel, got "
-            f"{type(model).__name__}; for other modules use ac2_dist.apply_ac(model, modules=[Block])"
-        )
+def _hf_model(model: Any, where: str) -> Any:
+    """The ``PreTrainedModel`` to act on: ``model``, or a PEFT model's base (Note [What
+    users hold])."""
+    if isinstance(model, transformers.PreTrainedModel):
+        return model
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else None
+    if isinstance(base, transformers.PreTrainedModel):
+        return base
+    raise TypeError(
+        f"ac2_dist.integrations.hf.{where}: model must be a transformers.PreTrainedModel (or a PEFT model "
+        f"around one), got {type(model).__name__}; for other modules use "
+        "ac2_dist.apply_ac(model, modules=[Block])"
+    )
+
+
+def _call_class_method(model: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+    """``type(model).<name>(model, ...)`` with the instance's overrides of HF's switches
+    hidden while it runs (Note [HF's methods, not the instance's])."""
+    hidden = {k: model.__dict__.pop(k) for k in _SWITCHES if k in model.__dict__}
+    try:
+        return getattr(type(model), name)(model, *args, **kwargs)
+    finally:
+        model.__dict__.update(hidden)
 
 
 def enable(
@@ -53,7 +87,8 @@ def enable(
     """Checkpoint ``model``'s layers with ac2 through HF's mechanism; returns ``model``.
 
     Args:
-        model: a ``transformers.PreTrainedModel`` that supports gradient checkpointing.
+        model: a ``transformers.PreTrainedModel`` that supports gradient checkpointing,
+            or a PEFT model around one (``peft.get_peft_model``).
         policy: an ac2 policy (CONTRACT §2), default ``"recompute_all"``.
         every_n_layers: checkpoint every n-th layer (HF's own option; transformers >= 5).
         policy_factory: instead of ``policy``, a zero-argument callable called for every
@@ -64,7 +99,7 @@ def enable(
     Raises TypeError for a model that is not a ``PreTrainedModel`` or a bad option, and
     ValueError for a model without checkpointable layers or a bad ``every_n_layers``.
     """
-    _check_model(model, "enable")
+    hf_model = _hf_model(model, "enable")
     unknown = sorted(set(region_options) - {"rng", "allow_cache_entry_mutation"})
     if unknown:
         raise TypeError(
@@ -73,29 +108,26 @@ def enable(
         )
     if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 1:
         raise ValueError(f"ac2_dist.integrations.hf.enable: every_n_layers must be an int >= 1, got {every_n_layers!r}")
-    if not getattr(model, "supports_gradient_checkpointing", False):
+    if not getattr(hf_model, "supports_gradient_checkpointing", False):
         raise ValueError(
-            f"ac2_dist.integrations.hf.enable: {type(model).__name__} has no checkpointable layers "
+            f"ac2_dist.integrations.hf.enable: {type(hf_model).__name__} has no checkpointable layers "
             "(supports_gradient_checkpointing is False); use ac2_dist.apply_ac(model, modules=[...])"
         )
     rng = region_options.get("rng", "replay")
     allow = region_options.get("allow_cache_entry_mutation", False)
     PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow, module_fqn="", where="integrations.hf.enable")
-    func = functools.partial(
-        checkpoint, use_reentrant=False, preserve_rng_state=rng == "replay", policy=policy,
-        policy_factory=policy_factory, allow_cache_entry_mutation=allow,
-    )
-    _hf_enable(model, every_n_layers)
-    for m in model.modules():
+    func = checkpoint_with(policy, policy_factory=policy_factory, rng=rng, allow_cache_entry_mutation=allow)
+    _hf_enable(hf_model, every_n_layers)
+    for m in hf_model.modules():
         if "_gradient_checkpointing_func" in m.__dict__ or hasattr(m, "gradient_checkpointing"):
             m._gradient_checkpointing_func = func  # Note [Through HF's own switch]
     return model
 
 
 def _hf_enable(model: Any, every_n_layers: int) -> None:
-    enable_fn = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5
-    if enable_fn is not None:
-        enable_fn(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every_n_layers)
+    if hasattr(type(model), "activation_checkpointing_enable"):  # transformers >= 5
+        _call_class_method(model, "activation_checkpointing_enable",
+                           activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every_n_layers)
         return
     if every_n_layers != 1:
         raise ValueError(
@@ -103,22 +135,24 @@ def _hf_enable(model: Any, every_n_layers: int) -> None:
             f"(installed: {transformers.__version__})"
         )
     kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
-    if "gradient_checkpointing_kwargs" not in inspect.signature(model.gradient_checkpointing_enable).parameters:
+    if "gradient_checkpointing_kwargs" not in inspect.signature(type(model).gradient_checkpointing_enable).parameters:
         kwargs = {}
-    model.gradient_checkpointing_enable(**kwargs)
+    _call_class_method(model, "gradient_checkpointing_enable", **kwargs)
 
 
 def disable(model: Any) -> Any:
     """Turn HF's checkpointing off again (HF's own method); returns ``model``."""
-    _check_model(model, "disable")
-    disable_fn = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-    disable_fn()
+    hf_model = _hf_model(model, "disable")
+    name = "activation_checkpointing_disable"
+    if not hasattr(type(hf_model), name):  # transformers < 5
+        name = "gradient_checkpointing_disable"
+    _call_class_method(hf_model, name)
     return model
 
 
 def is_enabled(model: Any) -> bool:
     """Whether some layer of ``model`` is checkpointed by ac2 through HF."""
-    _check_model(model, "is_enabled")
+    model = _hf_model(model, "is_enabled")
     return any(
         getattr(m, "gradient_checkpointing", False) and is_ac2_checkpoint(m.__dict__.get("_gradient_checkpointing_func"))
         for m in model.modules()
