@@ -16,9 +16,14 @@ Note [torch's checkpoint arguments in ac2]
       ``allow_cache_entry_mutation``. Any other pair: the forward context is entered
       around the function inside the region; the recompute context is never used
       (ac2 never re-runs Python code).
-    - ``preserve_rng_state=True`` (torch's default: recompute draws the same random
-      numbers) is ``rng="replay"``; ``False`` is ``rng="save"`` (masks are kept, so
-      the gradients stay eager's -- torch would draw new ones).
+    - ``preserve_rng_state``: either value is ``rng="replay"``: random ops' bits are
+      regenerated exactly in backward, so gradients are eager's and nothing random is
+      kept -- torch's memory. With ``True`` torch does the same; with ``False`` (what
+      accelerate's FSDP2 path and older torchtitan pass, to save the RNG-state
+      bookkeeping) torch draws *new* masks in recompute and its gradients differ from
+      eager's; ac2 has no state to stash (it regenerates from the recorded generator
+      offsets), so it gives eager's gradients at torch's memory. Keeping the masks
+      instead is ``checkpoint_with(rng="save")``.
     - ``determinism_check`` (``"default"`` or ``"none"``), ``debug`` and ``early_stop``
       are accepted and validated like torch: ac2 replays the recorded ops, so a
       recompute cannot differ from forward (nothing to check or to trace) and always
@@ -31,7 +36,7 @@ import contextlib
 import functools
 import inspect
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -42,7 +47,7 @@ from torch.utils.checkpoint import (
 )
 
 from ._policy import PolicyLike, PolicySource
-from ._region import eager_region, function_region
+from ._region import function_region, region_scope
 from .compile import (
     is_compiling,
 )
@@ -101,8 +106,9 @@ def checkpoint(
             the recorded ops).
         debug: accepted (bool); a replay cannot diverge from forward, so there is no
             trace to print.
-        preserve_rng_state: ``True`` regenerates random ops' bits in backward
-            (``rng="replay"``), ``False`` keeps their outputs (``rng="save"``).
+        preserve_rng_state: accepted (bool); either value regenerates random ops'
+            bits in backward (``rng="replay"``: eager's gradients, nothing kept; Note
+            [torch's checkpoint arguments in ac2]).
         early_stop: accepted (bool); ac2 always replays only what backward needs.
         policy: an ac2 policy (CONTRACT §2); default ``"recompute_all"``.
         policy_factory: instead of ``policy``, a zero-argument callable called per call.
@@ -151,8 +157,9 @@ class checkpoint_with:  # noqa: N801 -- used like a function: checkpoint_with(po
     Args:
         policy: an ac2 policy (CONTRACT §2); default ``"recompute_all"``.
         policy_factory: instead of ``policy``, a zero-argument callable called per call.
-        rng: ``"replay"`` or ``"save"``; ``None`` (the default) follows each call's
-            ``preserve_rng_state`` as :func:`checkpoint` does.
+        rng: ``"replay"`` (regenerate random ops' bits in backward) or ``"save"``
+            (keep their outputs); ``None`` (the default) is ``"replay"``, as for
+            :func:`checkpoint`, whatever a call's ``preserve_rng_state``.
         allow_cache_entry_mutation: as for :class:`ac2_dist.apply_ac_policy`.
 
     Instances are picklable (when the policy is) and recognized by frameworks as ac2's
@@ -247,8 +254,8 @@ def _checkpoint(
             "ac2_dist.checkpoint: pass a policy either as context_fn (torch's selective checkpoint) "
             "or as policy / policy_factory, not both"
         )
-    if rng is None:
-        rng = "replay" if preserve_rng_state else "save"
+    if rng is None:  # Note [torch's checkpoint arguments in ac2]: preserve_rng_state
+        rng = "replay"
     if context_fn is not None:
         if not callable(context_fn):
             raise TypeError(f"ac2_dist.checkpoint: context_fn must be a callable returning two contexts, got {context_fn!r}")
@@ -262,19 +269,31 @@ def _checkpoint(
 
 def _with_context_fn(function, args, kwargs, context_fn, rng, allow_mutation) -> Any:
     """Note [torch's checkpoint arguments in ac2]: ``context_fn`` (eager)."""
-    pair = context_fn()
-    if not (isinstance(pair, tuple) and len(pair) == 2):
-        raise TypeError(f"ac2_dist.checkpoint: context_fn must return a tuple of two context managers, got {pair!r}")
-    forward_ctx, recompute_ctx = pair
-    if isinstance(forward_ctx, _CachingTorchDispatchMode):  # torch's selective checkpoint
-        if isinstance(recompute_ctx, _CachedTorchDispatchMode):
-            allow_mutation = allow_mutation or bool(getattr(recompute_ctx, "allow_cache_entry_mutation", False))
-        policy = forward_ctx.policy_fn
-        source = PolicySource(policy, None, rng=rng, allow_mutation=allow_mutation, module_fqn="",
-                              where="checkpoint")
-        return eager_region(function, source, args, kwargs)
-    source = PolicySource(None, None, rng=rng, allow_mutation=allow_mutation, module_fqn="", where="checkpoint")
-    return eager_region(_entered(forward_ctx, function), source, args, kwargs)
+    with eager_scope(context_fn, None, None, rng, allow_mutation):
+        return function(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def eager_scope(context_fn: Any, policy: Any, policy_factory: Any, rng: str, allow_mutation: bool,
+                where: str = "checkpoint") -> Iterator[None]:
+    """An eager ac2 region for one checkpoint call, as torch's arguments describe it
+    (Note [torch's checkpoint arguments in ac2]): a selective-checkpoint ``context_fn``
+    gives the region its policy (``policy``/``policy_factory`` are then ignored), any
+    other one's forward context is entered inside the region."""
+    forward_ctx = None
+    if context_fn is not None and context_fn is not noop_context_fn:
+        pair = context_fn()
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError(f"ac2_dist.{where}: context_fn must return a tuple of two context managers, got {pair!r}")
+        forward_ctx, recompute_ctx = pair
+        if isinstance(forward_ctx, _CachingTorchDispatchMode):  # torch's selective checkpoint
+            if isinstance(recompute_ctx, _CachedTorchDispatchMode):
+                allow_mutation = allow_mutation or bool(getattr(recompute_ctx, "allow_cache_entry_mutation", False))
+            policy, policy_factory, forward_ctx = forward_ctx.policy_fn, None, None
+    source = PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow_mutation, module_fqn="",
+                          where=where)
+    with region_scope(source), (forward_ctx if forward_ctx is not None else contextlib.nullcontext()):
+        yield
 
 
 def _policy_of_context_fn(context_fn: Callable[[], tuple[Any, Any]]) -> Any:
@@ -286,14 +305,6 @@ def _policy_of_context_fn(context_fn: Callable[[], tuple[Any, Any]]) -> Any:
             f"{forward_ctx!r}. Pass policy= instead, or call the function outside torch.compile."
         )
     return forward_ctx.policy_fn
-
-
-def _entered(ctx: contextlib.AbstractContextManager, function: Callable[..., Any]) -> Callable[..., Any]:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with ctx:
-            return function(*args, **kwargs)
-
-    return run
 
 
 def checkpoint_sequential(

@@ -333,8 +333,13 @@ def function_region(fn: Callable[..., T], args: tuple, kwargs: dict, policy: Any
 
 def eager_region(fn: Callable[..., T], source: PolicySource, args: tuple, kwargs: dict) -> T:
     """``fn(*args, **kwargs)`` in an eager function region (a fresh frame from ``source``)."""
-    with apply_ac_policy._from_frame(source.new_frame(), check_replay(None), module_region=False):
+    with region_scope(source):
         return fn(*args, **kwargs)
+
+
+def region_scope(source: PolicySource) -> apply_ac_policy:
+    """An eager function region (a fresh frame from ``source``) as a context manager."""
+    return apply_ac_policy._from_frame(source.new_frame(), check_replay(None), module_region=False)
 
 
 def is_checkpoint_enabled() -> bool:

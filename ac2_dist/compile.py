@@ -63,7 +63,7 @@ from .side_effects import SideEffect, op_info
 
 __all__ = [
     "is_compiling", "skip_dynamo", "CompiledPolicy", "checkpoint_compiled", "policy_context_fn", "source_context_fn",
-    "tagged", "announce_eager_only", "in_eager_fallback",
+    "tagged", "announce_eager_only", "in_eager_fallback", "is_ac2_context_fn",
 ]
 
 _CP = CheckpointPolicy
@@ -267,6 +267,16 @@ def _contexts(policy: Any, policy_factory: Any, rng: str, allow_mutation: bool) 
     source = PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow_mutation, module_fqn="",
                           where="checkpoint")
     return _factory_contexts(source)
+
+
+def is_ac2_context_fn(context_fn: Any) -> bool:
+    """Whether ``context_fn`` is one ac2's compiled path made (for torch's checkpoint,
+    which ``integrations.torch_checkpoint`` must then leave to torch)."""
+    if not isinstance(context_fn, functools.partial):
+        return False
+    if context_fn.func is create_selective_checkpoint_contexts:
+        return bool(context_fn.args) and isinstance(context_fn.args[0], CompiledPolicy)
+    return context_fn.func is _contexts or context_fn.func is _factory_contexts
 
 
 def _factory_contexts(source: PolicySource) -> Any:

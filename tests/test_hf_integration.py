@@ -158,9 +158,13 @@ def test_trainer_two_steps_match_an_unchecked_trainer(tmp_path):
     assert hf.is_enabled(ours)  # the Trainer kept ac2's checkpointing
     for p, q in zip(plain.parameters(), ours.parameters()):
         assert torch.equal(p, q)
-    # What the README warns about: the Trainer's own switch puts torch's checkpoint back.
-    _, switched = run(hf.enable(copy.deepcopy(base)), "switched", gradient_checkpointing=True)
-    assert not hf.is_enabled(switched) and _is_checkpointing(switched)
+    # The Trainer's own switch would put torch's checkpoint back: ac2 is kept, with one warning.
+    with pytest.warns(UserWarning, match=r"was called after hf.enable .* so ac2's is kept") as caught:
+        again, switched = run(hf.enable(copy.deepcopy(base)), "switched", gradient_checkpointing=True)
+    assert sum("was called after hf.enable" in str(w.message) for w in caught) == 1
+    assert hf.is_enabled(switched) and _is_checkpointing(switched) and again == want
+    hf.disable(switched)
+    assert "activation_checkpointing_enable" not in switched.__dict__
 
 
 class _NoCheckpointing(T.LlamaForCausalLM):

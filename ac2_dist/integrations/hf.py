@@ -13,9 +13,8 @@ Note [Through HF's own switch]
     ``save_pretrained``) and then gives every module HF set up the checkpointing
     function ``ac2_dist.checkpoint_with(...)`` in place of torch's. HF
     calls it as ``func(partial(layer.forward, **kwargs), *args)`` in training mode
-    only, so generation and evaluation run the plain forward. Do not also set
-    ``TrainingArguments(gradient_checkpointing=True)``: the Trainer would switch the
-    model back to torch's checkpoint (the model already reports checkpointing on).
+    only, so generation and evaluation run the plain forward (Note [A second switch
+    keeps ac2] for a Trainer that turns HF's checkpointing on again).
 
 Note [HF's methods, not the instance's]
     transformers honours ``activation_checkpointing_enable`` /
@@ -27,6 +26,15 @@ Note [HF's methods, not the instance's]
     instance's overrides hidden for the duration of the call (restored after), so
     class-level overrides (custom model code) still run and instance ones do not.
 
+Note [A second switch keeps ac2]
+    A Trainer given ``gradient_checkpointing=True`` calls the model's
+    ``activation_checkpointing_enable`` after the user's :func:`enable`, which would put
+    torch's checkpoint back silently. :func:`enable` therefore sets that method (and the
+    deprecated ``gradient_checkpointing_enable``) on the instance -- unless the user
+    already overrode it there -- to one that re-applies ac2 (honouring
+    ``every_n_layers``) and warns once per model; :func:`disable` removes it. A Trainer
+    that should choose the policy uses ``integrations.torch_checkpoint`` instead.
+
 Note [What users hold]
     ``peft.get_peft_model`` returns a ``PeftModel`` around the ``PreTrainedModel``; HF's
     own switch works on it (attribute forwarding), so :func:`enable`, :func:`disable` and
@@ -36,6 +44,7 @@ Note [What users hold]
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -118,10 +127,44 @@ def enable(
     PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow, module_fqn="", where="integrations.hf.enable")
     func = checkpoint_with(policy, policy_factory=policy_factory, rng=rng, allow_cache_entry_mutation=allow)
     _hf_enable(hf_model, every_n_layers)
-    for m in hf_model.modules():
+    _install(hf_model, func)
+    for name in _SWITCHES[:2]:  # Note [A second switch keeps ac2]
+        current = hf_model.__dict__.get(name)
+        if hasattr(type(hf_model), name) and (current is None or isinstance(current, _KeepAc2)):
+            hf_model.__dict__[name] = _KeepAc2(hf_model, func, name)
+    return model
+
+
+def _install(model: Any, func: checkpoint_with) -> None:
+    for m in model.modules():
         if "_gradient_checkpointing_func" in m.__dict__ or hasattr(m, "gradient_checkpointing"):
             m._gradient_checkpointing_func = func  # Note [Through HF's own switch]
-    return model
+
+
+class _KeepAc2:
+    """A model's ``activation_checkpointing_enable`` / ``gradient_checkpointing_enable``
+    after :func:`enable` (Note [A second switch keeps ac2])."""
+
+    def __init__(self, model: Any, func: checkpoint_with, name: str) -> None:
+        self.model = model
+        self.func = func
+        self.name = name
+        self.warned = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        every_n_layers = kwargs.get("every_n_layers", 1)
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"ac2_dist.integrations.hf: {type(self.model).__name__}.{self.name}() was called after hf.enable "
+                "(e.g. by Trainer(gradient_checkpointing=True)); it would install torch's checkpoint, so ac2's "
+                f"is kept (every_n_layers={every_n_layers}; other arguments {sorted(kwargs)} are ignored). To "
+                "choose ac2's policy through the Trainer's switch instead, use "
+                "ac2_dist.integrations.torch_checkpoint.enable(policy=...) and no hf.enable.",
+                UserWarning, stacklevel=2,
+            )
+        _hf_enable(self.model, every_n_layers)
+        _install(self.model, self.func)
 
 
 def _hf_enable(model: Any, every_n_layers: int) -> None:
@@ -146,6 +189,9 @@ def disable(model: Any) -> Any:
     name = "activation_checkpointing_disable"
     if not hasattr(type(hf_model), name):  # transformers < 5
         name = "gradient_checkpointing_disable"
+    for key in _SWITCHES[:2]:
+        if isinstance(hf_model.__dict__.get(key), _KeepAc2):
+            del hf_model.__dict__[key]
     _call_class_method(hf_model, name)
     return model
 
