@@ -23,13 +23,14 @@ check_torch()  # Note [Supported torch versions] (_compat.py)
 
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
-from . import fsdp, memory  # noqa: E402
+from . import fsdp, memory, offload  # noqa: E402
 from ._dropin import checkpoint, checkpoint_sequential, checkpoint_with  # noqa: E402
 from ._graph import GraphStats  # noqa: E402
 from ._modules import apply_ac, is_checkpointed, unwrap, wrap  # noqa: E402
 from ._policy import SAVE_WITH_HOOKS, PolicyContext  # noqa: E402
 from ._region import apply_ac_policy, apply_ac_policy_fn, is_checkpoint_enabled, tag_with_policy  # noqa: E402
 from .budget import MemoryBudget  # noqa: E402
+from .offload import Offload  # noqa: E402
 from .replay import ReplayConfig  # noqa: E402
 from .side_effects import register_side_effect  # noqa: E402
 
@@ -37,6 +38,7 @@ __all__ = [
     "CheckpointPolicy",
     "GraphStats",
     "MemoryBudget",
+    "Offload",
     "PolicyContext",
     "ReplayConfig",
     "SAVE_WITH_HOOKS",
@@ -50,6 +52,7 @@ __all__ = [
     "is_checkpoint_enabled",
     "is_checkpointed",
     "memory",
+    "offload",
     "register_side_effect",
     "tag_with_policy",
     "unwrap",

@@ -179,7 +179,7 @@ class Saved:
 
     __slots__ = (
         "value", "version", "counter", "hooks", "meta", "device", "allow_mutation", "reason", "nbytes",
-        "owner", "detached",
+        "owner", "detached", "offloaded",
     )
 
     def __init__(
@@ -193,6 +193,7 @@ class Saved:
         owner: str,
         version: int | None = None,
         counter: torch.Tensor | None = None,
+        offload: Any = None,
     ) -> None:
         self.reason = reason
         self.allow_mutation = allow_mutation
@@ -205,6 +206,9 @@ class Saved:
         # The tensor whose version counter guards the value (Note [Versions of view
         # outputs] in _tracer.py: a view's own counter is replaced after the tracer).
         self.counter: torch.Tensor | None = counter
+        # ``value`` is an offload.OffloadedTensor: the block's offload schedule holds it
+        # (Note [The offload schedule] in offload.py; ``offload`` is the region's block).
+        self.offloaded = False
         # The stored value has no autograd history although the original may have had
         # one: it cannot serve a create_graph=True backward.
         self.detached = (not keep_identity or isinstance(decision, SAVE_WITH_HOOKS)) and (
@@ -218,7 +222,14 @@ class Saved:
             return
         if decision in _OFFLOAD:
             self.reason = "offloaded"
-            if t.device.type != "cpu":
+            if offload is not None and offload.takes(t):
+                self.offloaded = True
+                version = version_of(counter if counter is not None else t) if version is None else version
+                self.value = offload.save(alias(t), version=version, counter=counter, allow_mutation=allow_mutation,
+                                          owner=owner)
+                self.counter = None
+                return
+            if t.device.type != "cpu":  # no schedule: a synchronous copy
                 self.device = t.device
                 self.value = alias(t).to("cpu", non_blocking=True)
                 return
@@ -228,6 +239,9 @@ class Saved:
     def snapshot(self) -> None:
         """Keep a private copy: the referenced tensor is about to be written in place
         while replays still need its current value (Note [Versions of written tensors])."""
+        if self.offloaded:  # Note [Offloaded values that are written] (offload.py)
+            self.value.before_write()
+            return
         if self.hooks is None and self.device is None:
             with torch.no_grad():
                 self.value = alias(self.value).clone()
@@ -235,6 +249,8 @@ class Saved:
             self.counter = None
 
     def get(self) -> torch.Tensor:
+        if self.offloaded:
+            return self.value.fetch()
         if self.hooks is not None:
             return self._unpacked()
         if self.device is not None:
@@ -276,7 +292,7 @@ class _Freed:
 
     __slots__ = ()
     value = hooks = device = version = counter = meta = None
-    detached = allow_mutation = False
+    detached = allow_mutation = offloaded = False
     reason, nbytes, owner = "policy", 0, "freed saved value"
 
     def snapshot(self) -> None:
@@ -539,6 +555,9 @@ class Graph:
         self.log: Any = None
         self._parked: dict[int, int] = {}  # id(prefetched value) -> handles holding it
         self.has_cuts = False  # Note [Nested modules cut the replay]: private replays happen
+        # This region's block of an offload schedule (offload.OffloadUnit; set by the region
+        # when its ReplayConfig has an Offload): where CPU-offloaded saves go.
+        self.offload: Any = None
 
     # ---- forward side -------------------------------------------------------------
     def rng_chain(self, generator: torch.Generator) -> RngChain:
@@ -569,7 +588,7 @@ class Graph:
         version = version_of(t) if version is None else version
         saved = Saved(
             t, decision, reason=reason, allow_mutation=allow_mutation, keep_identity=True, owner=owner,
-            version=version,
+            version=version, offload=self.offload,
         )
         node.set_saved(0, saved)
         self.stats.saved_nodes += 1
@@ -631,7 +650,8 @@ class Graph:
         keep = node.op is None or not (t.is_floating_point() or t.is_complex())
         owner = f"{reason} region input" if node.op is None else f"{reason} output of {node.op}"
         node.set_saved(
-            idx, Saved(t, decision, reason=reason, allow_mutation=allow, keep_identity=keep, owner=owner)
+            idx, Saved(t, decision, reason=reason, allow_mutation=allow, keep_identity=keep, owner=owner,
+                       offload=self.offload)
         )
         if node.op is None:
             return

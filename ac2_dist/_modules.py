@@ -29,6 +29,7 @@ Note [Prefetch follows data flow]
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 import weakref
 from collections.abc import Callable, Iterable
@@ -48,6 +49,7 @@ from .compile import (
     source_context_fn,
 )
 from .fsdp import is_fsdp_unit, unsharded_params
+from .offload import Offload
 from .replay import ReplayConfig, check_replay, trace_range
 
 __all__ = ["apply_ac", "wrap", "unwrap", "is_checkpointed"]
@@ -326,7 +328,9 @@ def apply_ac(
             every forward of every selected module for a fresh policy (stateful
             policies such as torchtitan's "save every second matmul").
         replay: a :class:`ReplayConfig`: where replays run and how many modules
-            ahead backward prefetches them.
+            ahead backward prefetches them. Without an ``offload`` in it, the selected
+            modules share one new :class:`ac2_dist.Offload` (CPU-offloaded saves on
+            CUDA follow its asynchronous schedule).
 
     Raises TypeError for arguments of the wrong kind and ValueError if nothing
     matches (a typo in ``modules`` should not silently checkpoint nothing).
@@ -342,6 +346,8 @@ def apply_ac(
     selected = _select(model, modules)
     if not selected:
         raise ValueError(f"ac2_dist.apply_ac: no submodule of {type(model).__name__} matches {modules!r}")
+    if config.offload is None:  # one schedule for the blocks of this model (offload.py)
+        config = dataclasses.replace(config, offload=Offload())
     for fqn, module in selected:
         wrap(module, policy, policy_factory=policy_factory, rng=rng,
              allow_cache_entry_mutation=allow_cache_entry_mutation, module_fqn=fqn, replay=config)

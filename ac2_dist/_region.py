@@ -209,6 +209,9 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
         on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         graph = Graph(self._replay.executor(_thread_state, on_cuda), st.frames)
         graph.save_unit_outputs = not self._module_region
+        offload = self._replay.offload
+        if offload is not None and offload.applies(on_cuda):  # Note [The offload schedule] (offload.py)
+            graph.offload = offload.open_unit(self._frame.module_fqn)
         if st.tracker is not None:
             graph.tracker = st.tracker
             st.tracker._add_graph(graph)
@@ -257,6 +260,8 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
             finally:
                 install.module_hook.remove()
                 install.hooks.__exit__(exc_type, exc, tb)
+                if install.graph.offload is not None:
+                    install.graph.offload.close()
 
 
 @torch._dynamo.assume_constant_result

@@ -307,7 +307,7 @@ class Tracer(TorchDispatchMode):
                         i,
                         Saved(o, decision, reason=reason, allow_mutation=inner.allow_mutation,
                               keep_identity=keep, owner=f"output of {func}", version=version,
-                              counter=counter),
+                              counter=counter, offload=graph.offload),
                     )
         if (
             single and src is None and not writes and not types and not info.returns_alias and args
@@ -371,7 +371,8 @@ class Tracer(TorchDispatchMode):
         for i, o in enumerate(flat):
             if isinstance(o, _Tensor):
                 node.set_saved(i, Saved(o, decision, reason="policy", allow_mutation=inner.allow_mutation,
-                                        keep_identity=False, owner=f"output of {func}"))
+                                        keep_identity=False, owner=f"output of {func}",
+                                        offload=graph.offload))
                 graph.map.set(o, node, i, version_of(o))
         returned = {id(o) for o in flat}
         for t in inputs:

@@ -199,9 +199,10 @@ def _held_bytes(graphs: Iterable[Graph], params: set[int]) -> tuple[dict[str, in
             visited.add(id(node))
             stack.extend(m for _, m, _ in node.inputs)
             for s in node.saved or ():
-                if s is None or not isinstance(s.value, torch.Tensor):
+                # An offloaded value occupies its device tensor or its host copy (offload.py).
+                t = s.value.held() if s is not None and s.offloaded else getattr(s, "value", None)
+                if not isinstance(t, torch.Tensor):
                     continue
-                t = s.value
                 if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or node.fsdp_unit is not None:
                     continue  # parameters (and views of them) are not activations
                 try:

@@ -59,6 +59,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from ._graph import unpack_handle
+from .offload import Offload
 
 _NULL = contextlib.nullcontext()
 
@@ -127,11 +128,17 @@ class ReplayConfig:
             ``prefetch_start``, ``prefetch_end``, ``unshard`` (a replay unsharded an
             FSDP unit), ``unsharded`` (it found the unit gathered) and
             ``backward_end``: for tests and debugging; ``None`` costs nothing.
+        offload: an :class:`ac2_dist.Offload`, the asynchronous schedule CPU-offloaded
+            saves follow (Note [The offload schedule] in offload.py); its host->device
+            copies are issued by the prefetch above. ``None``: ``apply_ac`` gives the
+            modules it wraps one ``Offload()`` of their own; other regions copy
+            synchronously.
     """
 
     stream: Any = "auto"
     prefetch: int | None = None
     log: Callable[[str, str], None] | None = None
+    offload: Offload | None = None
 
     def __post_init__(self) -> None:
         if self.prefetch is not None and self.prefetch not in (0, 1, 2):
@@ -139,6 +146,11 @@ class ReplayConfig:
         if not (self.stream in ("auto", "inline", None) or _is_stream(self.stream)):
             raise ValueError(
                 f"ac2_dist.ReplayConfig: stream must be 'auto', 'inline' or a torch.cuda.Stream, got {self.stream!r}"
+            )
+        if self.offload is not None and not isinstance(self.offload, Offload):
+            raise TypeError(
+                f"ac2_dist.ReplayConfig: offload takes an ac2_dist.Offload or None, got {self.offload!r}; "
+                "e.g. offload=ac2_dist.Offload(defer=1)"
             )
 
     def explicit_scheduling(self) -> bool:

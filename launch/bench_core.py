@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 import json
 import os
@@ -346,6 +347,119 @@ def budget_sweep(args: argparse.Namespace) -> dict:
     return {"modes": results, "vs_compile": comparisons, "at_torch_sac": at_sac}
 
 
+class _ScheduleLog:
+    """A ``log`` callback: (event, block, resident bytes, resident blocks) at each event."""
+
+    def __init__(self, resident: Callable[[], tuple[int, int]]) -> None:
+        self.resident = resident
+        self.events: list[tuple[str, str, int, int]] = []
+
+    def __call__(self, event: str, fqn: str) -> None:
+        self.events.append((event, fqn, *self.resident()))
+
+
+def offload_schedule(args: argparse.Namespace) -> dict:
+    """The CPU-offload schedule (ac2_dist/offload.py) on the ``gpt`` workload, on CPU: the
+    inline copy engine (``Offload(stream="inline")``) runs the GPU's schedule with host
+    copies. Per ``defer``: the schedule's events in order, the bytes of offloaded values
+    still on the "device" (their original storages alive) at every event, copies, host
+    buffers allocated in steps 1 and 2 (the pool), gradients against saving the same
+    values; step time against saving them (on CPU that is the cost of the copies alone:
+    no device memory is saved). Offloaded: matmul outputs (mm/addmm), the rest recomputed."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    cp = torch.utils.checkpoint.CheckpointPolicy
+    torch.manual_seed(0)
+    base = _gpt(args)
+    x = torch.randn(args.batch, args.seq, args.dim, requires_grad=True)
+    live: list[tuple[str, Any, int]] = []  # (block, storage ref, bytes) of this step's offloaded outputs
+
+    def policy_of(decision: Any) -> Callable:
+        def policy(ctx, op, *a, **k):
+            if op in SAVE_OPS:
+                out = ctx.op_output
+                live.append((ctx.module_fqn, StorageWeakRef(out.untyped_storage()), out.numel() * out.element_size()))
+                return decision
+            return cp.PREFER_RECOMPUTE
+        return policy
+
+    def resident() -> tuple[int, int]:
+        alive = [(f, n) for f, r, n in live if not r.expired()]
+        return sum(n for _, n in alive), len({f for f, _ in alive})
+
+    def grads(model: nn.Module) -> list[torch.Tensor]:
+        live.clear()
+        step(model, x)
+        return [p.grad.clone() for p in model.parameters()]
+
+    saved = ac.apply_ac(copy.deepcopy(base), policy_of(cp.MUST_SAVE), modules=[GPTBlock])
+    live.clear()
+    loss = forward(saved, x)
+    saved_after_forward = resident()
+    loss.backward()
+    del loss
+    ref = grads(saved)
+    results: dict[str, Any] = {"save": {"resident_after_forward_bytes": saved_after_forward[0],
+                                        "resident_after_forward_blocks": saved_after_forward[1]}}
+    models = {"save": saved}
+    for defer in [int(d) for d in args.offload_defers.split(",")]:
+        log = _ScheduleLog(resident)  # the offload's and the replays' events, in one order
+        events = log.events
+        offload = ac.Offload(defer, stream="inline", log=log)
+        model = ac.apply_ac(copy.deepcopy(base), policy_of(cp.MUST_CPU_OFFLOAD), modules=[GPTBlock],
+                            replay=ac.ReplayConfig(stream="inline", prefetch=1, log=log, offload=offload))
+        got = grads(model)
+        step1 = dataclasses.replace(offload.stats)
+        events.clear()
+        got2 = grads(model)
+        stats = offload.stats
+        fwd_end = next(i for i, e in enumerate(events) if e[0] == "backward_start")
+        results[f"offload-defer{defer}"] = {
+            "grads_bitwise_vs_save": all(torch.equal(a, b) for a, b in zip(ref, got))
+            and all(torch.equal(a, b) for a, b in zip(ref, got2)),
+            "forward_max_resident_bytes": max(e[2] for e in events[:fwd_end]),
+            "forward_max_resident_blocks": max(e[3] for e in events[:fwd_end]),
+            "resident_after_forward_bytes": events[fwd_end][2],
+            "resident_after_forward_blocks": events[fwd_end][3],
+            "d2h_bytes_per_step": stats.d2h_bytes - step1.d2h_bytes,
+            "h2d_bytes_per_step": stats.h2d_bytes - step1.h2d_bytes,
+            "host_buffers_step1": step1.buffers_allocated,
+            "host_buffers_step2": stats.buffers_allocated - step1.buffers_allocated,
+            "blocks_committed_kept_per_step": (stats.units_committed - step1.units_committed,
+                                               stats.units_kept - step1.units_kept),
+            "events": " ".join(f"{e}({f})" for e, f, _, _ in events
+                               if e in ("open", "close", "d2h", "wait", "free_device", "keep",
+                                        "backward_start", "prefetch_start")),
+        }
+        models[f"offload-defer{defer}"] = model
+    models["recompute-all"] = ac.apply_ac(copy.deepcopy(base), "recompute_all", modules=[GPTBlock])
+    times = timed_rounds({m: functools.partial(step, model, x) for m, model in models.items()}, args.rounds,
+                         args.warmup)
+    for m in models:
+        results.setdefault(m, {})["step_seconds_median"] = statistics.median(times[m])
+        results[m]["step_vs_save"] = ratio_stats(times[m], times["save"])
+    mib = 1 / 2**20
+    print(f"\n[offload schedule] {args.layers} GPT blocks, D={args.dim}, T={args.seq}, B={args.batch}, CPU "
+          "(inline copy engine); offloaded: mm/addmm outputs")
+    for m, r in results.items():
+        st = r["step_vs_save"]
+        line = f"{m:<16} step {r['step_seconds_median']:.3f} s ({st['median']:.3f}x save)"
+        if "forward_max_resident_bytes" in r:
+            line += (f"  resident in forward <= {r['forward_max_resident_bytes'] * mib:.1f} MiB "
+                     f"({r['forward_max_resident_blocks']} blocks), after forward "
+                     f"{r['resident_after_forward_bytes'] * mib:.1f} MiB ({r['resident_after_forward_blocks']}), "
+                     f"d2h {r['d2h_bytes_per_step'] * mib:.1f} / h2d {r['h2d_bytes_per_step'] * mib:.1f} MiB per step, "
+                     f"host buffers {r['host_buffers_step1']} then {r['host_buffers_step2']}, "
+                     f"bitwise {r['grads_bitwise_vs_save']}")
+        else:
+            line += (f"  resident after forward {r.get('resident_after_forward_bytes', 0) * mib:.1f} MiB "
+                     f"({r.get('resident_after_forward_blocks', 0)} blocks)" if m == "save" else "")
+        print(line)
+        if "events" in r:
+            print(f"  {r['events']}")
+    return results
+
+
 def _pareto_png(results: dict, path: str) -> None:
     import matplotlib
 
@@ -444,6 +558,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--budgets", default="", help="run the MemoryBudget sweep at these fractions (gpt workload), "
                    "e.g. 0,0.25,0.5,0.75,1; with torch compile's activation_memory_budget beside it")
     p.add_argument("--png", default=None, help="with --budgets: write the peak-vs-step-time plot here")
+    p.add_argument("--offload-schedule", action="store_true",
+                   help="run the CPU-offload schedule on the gpt workload (inline copies; order, lifetimes, pool)")
+    p.add_argument("--offload-defers", default="1,2", help="with --offload-schedule: the defer values")
     args = p.parse_args(argv)
     modes = args.modes.split(",")
     unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
@@ -452,6 +569,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"bench_core: {args.layers} blocks, D={args.dim}, T={args.seq}, B={args.batch}, {args.rounds} rounds, "
           f"CPU threads={torch.get_num_threads()}, torch {torch.__version__}, {platform.machine()}")
+    if args.offload_schedule:
+        return write_json(args.json, {"config": vars(args), "offload_schedule": offload_schedule(args),
+                                      "torch": torch.__version__})
     if args.budgets:
         return write_json(args.json, {"config": vars(args), "budget_sweep": budget_sweep(args),
                                       "torch": torch.__version__})

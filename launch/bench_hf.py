@@ -36,9 +36,16 @@ def build(args: argparse.Namespace, mode: str):
     from ac2_dist.integrations import hf
 
     torch.manual_seed(0)
-    model = T.LlamaForCausalLM(T.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=4 * args.dim, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.heads, max_position_embeddings=args.seq))
+    # Optional fields (launch/gpu_check.py's ~1B config): FFN width, KV heads, device, dtype.
+    intermediate = getattr(args, "intermediate", None) or 4 * args.dim
+    kv_heads = getattr(args, "kv_heads", None) or args.heads
+    device = getattr(args, "device", "cpu")
+    with torch.device(device):  # initialized where it runs
+        model = T.LlamaForCausalLM(T.LlamaConfig(
+            vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=intermediate,
+            num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=kv_heads,
+            max_position_embeddings=args.seq))
+    model.to(dtype=getattr(args, "dtype", torch.float32))
     model.train()
     if mode == "hf-torch":
         enable = getattr(model, "activation_checkpointing_enable", None)

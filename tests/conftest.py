@@ -1,5 +1,26 @@
 import os
 import sys
 
+import pytest
+import torch
+
 # The launch/ scripts' models are shared with the tests.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "cuda: needs a CUDA device; skips without one (launch/gpu_check.py runs `-m cuda -rs` on a GPU, "
+        "where a skip is a failure)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` skip, with a reason, when no CUDA device is present."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run on a GPU by launch/gpu_check.py)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)

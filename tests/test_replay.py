@@ -175,7 +175,7 @@ def test_fsdp_prefetch_after_unshard_before_backward_ends():
                 assert p_end < ev.index(("backward_end", f"layers.{i}")), ev
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda = pytest.mark.cuda  # skips without a device (conftest.py); launch/gpu_check.py runs it on a GPU
 
 
 @cuda

@@ -1,0 +1,154 @@
+"""launch/gpu_check.py: the one command of a GPU session. CI runs its ``--device cpu
+--smoke`` form (every section, tiny sizes) so the harness cannot rot; the measuring
+code it relies on (interval overlap, snapshot peaks, JUnit parsing, exit status) is
+checked here on synthetic inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "launch"))
+
+import gpu_check  # noqa: E402
+
+
+def test_smoke_run_has_every_section_and_writes_the_table(tmp_path):
+    out = tmp_path / "gc"
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "gpu_check.py"), "--device", "cpu", "--smoke",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    doc = json.loads((out / "gpu_check.json").read_text())
+    sections = doc["sections"]
+    assert list(sections) == gpu_check.SECTION_NAMES
+    assert doc["exit_code"] == 0 and doc["smoke"] is True
+    for name, r in sections.items():
+        if name == "full_suite":  # CI runs the suite itself
+            assert r["status"] == "not run" and "--smoke" in r["reason"]
+            continue
+        assert r["status"] == "ok", (name, r.get("error"), [c for c in r["checks"] if not c["ok"]])
+        if name != "environment":
+            assert r["checks"], name  # every measuring section checks something
+    env = sections["environment"]["figures"]
+    assert env["torch"] == torch.__version__ and env["date"] and env["device"]
+    # The CUDA tests are listed one by one: skipped here (no device), run on a GPU.
+    tests = {c["test"]: c["outcome"] for c in sections["cuda_tests"]["figures"]["tests"]}
+    assert "tests/test_offload.py::test_cuda_schedule_values_memory_and_pool" in tests
+    assert "tests/test_replay.py::test_side_stream_matches_inline_and_bounds_memory" in tests
+    expected = "passed" if torch.cuda.is_available() else "skipped"
+    assert set(tests.values()) == {expected}
+    replay = sections["replay_scheduling"]["figures"]
+    assert set(replay) == {"no-ac", "torch-full", "ac2-inline", "ac2-side-prefetch0", "ac2-side-prefetch1",
+                           "ac2-side-prefetch2"}
+    assert all(r["peak_bytes"] > 0 and r["backward_seconds_median"] > 0 for r in replay.values())
+    assert sections["overlap"]["figures"]["cpu_annotations"] > 0
+    assert set(sections["offload"]["figures"]) == {"no-ac", "torch-save_on_cpu", "ac2-offload-all",
+                                                   "ac2-offload-mm", "ac2-full"}
+    md = (out / "gpu_check.md").read_text()
+    assert md.startswith("# ac2_dist GPU check") and torch.__version__ in md
+    for name in gpu_check.SECTION_NAMES:
+        assert f"\n## {name}\n" in md and f"| {name} | " in md
+    assert "| tests/test_offload.py::test_cuda_schedule_order_matches_cpu | " in md
+
+
+def test_overlap_of_intervals():
+    assert gpu_check.merge([(5, 7), (0, 2), (1, 3), (7, 8), (9, 9)]) == [(0, 3), (5, 8)]
+    assert gpu_check.total([(0, 2), (1, 3)]) == 3
+    assert gpu_check.overlap([(0, 10)], [(2, 3), (5, 7), (9, 12)]) == 1 + 2 + 1
+    assert gpu_check.overlap([(0, 1), (4, 5)], [(1, 4)]) == 0
+    assert gpu_check.overlap([(0, 4), (2, 6)], [(3, 5), (3, 4)]) == 2
+
+
+def _kernel(name, stream, ts, dur):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": stream,
+            "args": {"stream": stream}}
+
+
+def test_replay_overlap_from_a_trace():
+    trace = {"traceEvents": [
+        _kernel("at::cuda::spin_kernel(long)", 7, 0, 10),  # main-stream marker
+        _kernel("at::cuda::spin_kernel(long)", 21, 10, 10),  # replay-stream marker, after it
+        _kernel("gemm", 7, 30, 40),  # backward: 30..70
+        _kernel("gemm", 7, 80, 20),  # 80..100
+        _kernel("replay_gemm", 21, 60, 30),  # replay: 60..90, overlaps 60..70 and 80..90
+        _kernel("replay_add", 21, 100, 10),  # 100..110: alone
+        _kernel("nccl", 13, 0, 500),  # another stream (FSDP): ignored
+        {"ph": "X", "cat": "user_annotation", "name": "ac2::replay", "ts": 55, "dur": 40, "tid": 1},
+    ]}
+    got = gpu_check.replay_overlap(trace)
+    assert (got["main_stream"], got["replay_stream"], got["streams_from"]) == (7, 21, "marker kernels")
+    assert got["replay_us"] == 40 and got["overlap_us"] == 20 and got["overlap_pct_of_replay"] == 50
+    assert (got["replay_kernels"], got["backward_kernels"], got["cpu_annotations"]) == (2, 2, 1)
+    # No markers: the busiest stream is main, the replay stream is the annotated one.
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if "spin" not in e["name"] and e["tid"] != 13]
+    trace["traceEvents"].append({"ph": "X", "cat": "gpu_user_annotation", "name": "ac2::replay", "ts": 60,
+                                 "dur": 50, "tid": 21, "args": {"stream": 21}})
+    got = gpu_check.replay_overlap(trace)
+    assert (got["main_stream"], got["replay_stream"]) == (7, 21) and got["overlap_us"] == 20
+
+
+def test_snapshot_peak():
+    trace = [{"action": "alloc", "size": 100}, {"action": "alloc", "size": 50},
+             {"action": "free_requested", "size": 100}, {"action": "free_completed", "size": 100},
+             {"action": "alloc", "size": 80}, {"action": "segment_alloc", "size": 2 << 20}]
+    assert gpu_check.snapshot_peak(trace) == 150
+    no_requested = [e for e in trace if e["action"] != "free_requested"]
+    assert gpu_check.snapshot_peak(no_requested) == 150
+
+
+def test_exit_status_and_checks():
+    ok, bad = gpu_check.check("a", True), gpu_check.check("b", False, "why")
+    assert gpu_check.section_status({"checks": [ok]}) == "ok"
+    assert gpu_check.section_status({"checks": [ok, bad]}) == "fail"
+    assert gpu_check.section_status({"status": "not run", "reason": "smoke"}) == "not run"
+    assert gpu_check.exit_code({"x": {"status": "ok"}, "y": {"status": "not run"}}) == 0
+    assert gpu_check.exit_code({"x": {"status": "ok"}, "y": {"status": "fail"}}) == 1
+    assert gpu_check.exit_code({"x": {"status": "error"}}) == 1
+    # Gradient errors: no worse than 4x the reference mode's, or under the floor.
+    checks = gpu_check.grads_ok({"torch": 1e-3, "ac2": 3e-3, "bad": 5e-3}, "torch", 1e-6)
+    assert [(c["name"], c["ok"]) for c in checks] == [("grads ac2", True), ("grads bad", False)]
+    assert gpu_check.rel_err([torch.ones(3)], [torch.ones(3)]) == 0
+    assert gpu_check.rel_err([torch.tensor([1.0, 2.5])], [torch.tensor([1.0, 2.0])]) == 0.25
+    assert gpu_check.rel_err([torch.ones(2)], [torch.ones(3)]) == float("inf")
+
+
+def test_junit_cases(tmp_path):
+    path = tmp_path / "j.xml"
+    path.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_a" name="test_ok" time="0.1"/>'
+        '<testcase classname="tests.test_a" name="test_skip[1]"><skipped message="needs a CUDA device"/></testcase>'
+        '<testcase classname="tests.test_b" name="test_fail"><failure message="assert 1 == 2">tb</failure></testcase>'
+        "</testsuite></testsuites>")
+    assert gpu_check.junit_cases(str(path)) == [
+        {"test": "tests/test_a.py::test_ok", "outcome": "passed", "message": ""},
+        {"test": "tests/test_a.py::test_skip[1]", "outcome": "skipped", "message": "needs a CUDA device"},
+        {"test": "tests/test_b.py::test_fail", "outcome": "failed", "message": "assert 1 == 2"},
+    ]
+    assert gpu_check.junit_cases(str(tmp_path / "missing.xml")) == []
+
+
+@pytest.mark.parametrize("outcome", ["fail", "raise"])
+def test_a_failed_check_or_a_raising_section_exits_1(tmp_path, monkeypatch, outcome):
+    def section(ctx):
+        if outcome == "raise":
+            raise RuntimeError("boom")
+        return {"figures": {"x": 1}, "checks": [gpu_check.check("values", False, "differ")]}
+
+    monkeypatch.setitem(gpu_check.SECTIONS, "environment", section)
+    rc = gpu_check.main(["--device", "cpu", "--smoke", "--sections", "environment", "--out", str(tmp_path)])
+    assert rc == 1
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    r = doc["sections"]["environment"]
+    assert r["status"] == ("fail" if outcome == "fail" else "error")
+    if outcome == "raise":
+        assert "RuntimeError: boom" in r["error"] and "boom" in (tmp_path / "gpu_check.md").read_text()
+    else:
+        assert "| values | **NO** | differ |" in (tmp_path / "gpu_check.md").read_text()
