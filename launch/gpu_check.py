@@ -356,7 +356,11 @@ def junit_cases(path: str) -> list[dict]:
                 outcome = {"failure": "failed"}.get(tag, tag)
                 message = (el.get("message") or "")[:300]
                 break
-        name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        classname = case.get("classname") or ""
+        if classname:
+            name = f"{classname.replace('.', '/')}.py::{case.get('name')}"
+        else:  # a module skipped or failing as a whole: pytest names the module only
+            name = f"{(case.get('name') or '').replace('.', '/')}.py"
         cases.append({"test": name, "outcome": outcome, "message": message})
     return cases
 
