@@ -112,7 +112,9 @@ Note [Saved values are version-checked references]
 from __future__ import annotations
 
 import threading
+import types
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +127,10 @@ from .fsdp import ensure_unsharded
 
 _CP = torch.utils.checkpoint.CheckpointPolicy
 _OFFLOAD = CPU_OFFLOAD
+_AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
+
+#: The ``kwargs`` of a node whose op got none (read-only, shared).
+NO_KWARGS: Mapping[str, Any] = types.MappingProxyType({})
 
 #: Why a value is held after forward (keys of ``RankReport.saved_bytes_by_reason``).
 REASONS = ("policy", "side_effect", "rng", "boundary", "tagged", "offloaded")
@@ -136,7 +142,7 @@ def alias(t: torch.Tensor) -> torch.Tensor:
     Below the ADInplaceOrView key (in a dispatch mode) a plain ``detach()`` gets a
     fresh version counter, which would blind the version check of saved values.
     """
-    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+    with torch._C._SetExcludeDispatchKeyGuard(_AD_INPLACE_OR_VIEW, False):
         return t.detach()
 
 
@@ -307,10 +313,20 @@ class _Freed:
 
 
 FREED = _Freed()
+_MISSING = object()  # Graph._existing: the value needs the executor
 
 
 class Node:
-    """One recorded op call. Leaves (``op is None``) are region inputs."""
+    """One recorded op call. Leaves (``op is None``) are region inputs.
+
+    Note [Rare node fields live in a lazy dict]
+        The tracer makes one node per op, so the node is kept small: the fields every
+        node sets are slots; the ones few nodes set (written positions, RNG chains,
+        undeclared aliases, cut marks, ...) are class attributes holding the default,
+        and an assignment creates the instance ``__dict__`` only for the node that
+        needs it (reads fall back to the class default). ``kwargs`` defaults to a
+        shared read-only empty mapping: a node is never given a dict it does not use.
+    """
 
     __slots__ = (
         "op",
@@ -318,69 +334,63 @@ class Node:
         "args",
         "kwargs",
         "inputs",
-        "lists",
         "saved",
         "values",
         "pending",
         "scheduled",
-        "rng",
         "fqn",
-        "must_recompute",
-        "fsdp_unit",
         "readers",
         "held",
-        "alias_of",
-        "aliased",
         "viewed",
-        "writes",
-        "cut",
         "viewers",
-        "via",
-        "scratch",
+        "__dict__",
         "__weakref__",
     )
+
+    # ---- rare fields: class defaults (Note [Rare node fields live in a lazy dict]) ----
+    lists = False  # args/kwargs hold lists with tensor slots
+    # (index of its chain in Graph.rng_chains, position in the chain): ints, not the
+    # chain itself, which holds its nodes (no reference cycle: Note [One generator
+    # state per region]).
+    rng: tuple[int, int] | None = None
+    must_recompute = False  # the policy said MUST_RECOMPUTE: never made a boundary
+    fsdp_unit: weakref.ref | None = None  # leaf = unsharded param of this FSDP unit
+    # Note [Aliases a schema does not declare] (_tracer.py): the (node, idx) whose
+    # storage its output shares, and whether another node's output shares its storage.
+    alias_of: tuple[Node, int] | None = None
+    aliased = False
+    # Input positions this (recomputable) op writes in place (Note [Replaying writes
+    # to fresh tensors]); () for ops that write nothing.
+    writes: tuple = ()
+    cut = False  # output of a nested checkpointed module (Note [Nested modules cut the replay])
+    # A write through a view of a fresh value (Note [Writes through views of fresh
+    # tensors]): the view ops that rebuild the written view from the base, as
+    # (op, args, kwargs, source position); its last output is the written base.
+    via: tuple | None = None
+    # Accumulator arguments a replay fills with scratch zeros, as (position, shape,
+    # dtype, device) (Note [Statistics an op accumulates] in side_effects.py).
+    scratch: tuple = ()
 
     def __init__(self, op: Any, seq: int, nout: int, fqn: str = "") -> None:
         self.op = op
         self.seq = seq
         self.args: tuple = ()
-        self.kwargs: dict = {}
-        # (position, producer node, producer output index) for every tensor argument.
-        self.inputs: list[tuple[Any, Node, int]] = []
-        self.lists = False  # args/kwargs hold lists with tensor slots
+        self.kwargs: Mapping[str, Any] = NO_KWARGS
+        # (position, producer node, producer output index) for every tensor argument: a
+        # list the tracer gives a recomputable node; () for leaves and saved nodes.
+        self.inputs: list[tuple[Any, Node, int]] | tuple = ()
         self.saved: list[Saved | None] | None = None
         self.values: list[Any] | None = None
         self.pending = [0] * nout
         self.scheduled = False
-        # (index of its chain in Graph.rng_chains, position in the chain): ints, not the
-        # chain itself, which holds its nodes (no reference cycle: Note [One generator
-        # state per region]).
-        self.rng: tuple[int, int] | None = None
         self.fqn = fqn
-        self.must_recompute = False  # the policy said MUST_RECOMPUTE: never made a boundary
-        self.fsdp_unit: weakref.ref | None = None  # leaf = unsharded param of this FSDP unit
         self.readers = 0  # recorded recomputable ops that take one of its outputs
         self.held = 0  # handles (autograd saved tensors) created on one of its outputs
-        # Note [Aliases a schema does not declare] (_tracer.py): the (node, idx) whose
-        # storage its output shares, and whether another node's output shares its storage.
-        self.alias_of: tuple[Node, int] | None = None
-        self.aliased = False
         # a view of one of its outputs was recorded, or its output aliases a value the
         # region did not record (then also ``aliased``; Note [Aliases a schema does not
         # declare] in _tracer.py)
         self.viewed = False
-        # Input positions this (recomputable) op writes in place (Note [Replaying writes
-        # to fresh tensors]); () for ops that write nothing.
-        self.writes: tuple = ()
-        self.cut = False  # output of a nested checkpointed module (Note [Nested modules cut the replay])
         self.viewers = 0  # recorded view ops that take one of its outputs as their source
-        # A write through a view of a fresh value (Note [Writes through views of fresh
-        # tensors]): the view ops that rebuild the written view from the base, as
-        # (op, args, kwargs, source position); its last output is the written base.
-        self.via: tuple | None = None
-        # Accumulator arguments a replay fills with scratch zeros, as (position, shape,
-        # dtype, device) (Note [Statistics an op accumulates] in side_effects.py).
-        self.scratch: tuple = ()
 
     def __repr__(self) -> str:
         return f"Node({self.op or 'input'}, seq={self.seq})"
@@ -433,14 +443,33 @@ def flatten_outputs(out: Any) -> list[Any]:
     return [out]
 
 
-class _KeyedRef(weakref.ref):
-    __slots__ = ("key",)
+class MapEntry(weakref.ref):
+    """What the tensor map holds for one tensor: a weak reference to it that also
+    carries the node output it currently is and the version recorded then.
+
+    Note [Map entries are the weak references]
+        One object per mapped tensor instead of a weak reference plus a tuple: fewer
+        objects for the garbage collector to track per recorded op. An entry is never
+        changed after it is made (remapping a tensor makes a new entry), so one a
+        caller holds stays what it was. Indexing (``e[1]`` node, ``e[2]`` index,
+        ``e[3]`` version, ``e[0]`` the reference) reads like the tuple it replaced.
+    """
+
+    __slots__ = ("key", "node", "idx", "version")
+
+    key: int
+    node: Node
+    idx: int
+    version: int | None
+
+    def __getitem__(self, i: int) -> Any:
+        return (self, self.node, self.idx, self.version)[i]
 
 
 class TensorMap:
-    """tensor -> (weakref, node, output index, version), keyed by object identity.
+    """tensor -> :class:`MapEntry` (node, output index, version), keyed by object identity.
 
-    A plain dict keyed by ``id(t)``; each entry holds a weak reference whose callback
+    A plain dict keyed by ``id(t)``; each entry is a weak reference whose callback
     removes the entry when the tensor dies (so the map never keeps a node, and hence
     no saved value, alive). Lookups compare the referent with ``is``, so a recycled
     ``id`` never matches. About 10x cheaper per lookup than ``WeakTensorKeyDictionary``
@@ -450,36 +479,35 @@ class TensorMap:
     __slots__ = ("_d", "_cb", "__weakref__")
 
     def __init__(self) -> None:
-        self._d: dict[int, tuple] = {}
+        self._d: dict[int, MapEntry] = {}
         # The callback must not reference the map strongly: entries hold weakrefs
         # whose callback is this function, and a strong path back would make a cycle
         # that keeps every entry (and its node's saved values) alive until gc runs.
         this = weakref.ref(self)
 
-        def _dead(ref: _KeyedRef) -> None:
+        def _dead(ref: MapEntry) -> None:
             owner = this()
             if owner is not None:
                 e = owner._d.get(ref.key)
-                if e is not None and e[0] is ref:
+                if e is ref:
                     del owner._d[ref.key]
 
         self._cb = _dead
 
-    def get(self, t: torch.Tensor) -> tuple | None:
+    def get(self, t: torch.Tensor) -> MapEntry | None:
         e = self._d.get(id(t))
-        if e is not None and e[0]() is t:
+        if e is not None and e() is t:
             return e
         return None
 
-    def set(self, t: torch.Tensor, node: Node, idx: int, version: int) -> None:
+    def set(self, t: torch.Tensor, node: Node, idx: int, version: int | None) -> None:
         key = id(t)
-        e = self._d.get(key)
-        if e is not None and e[0]() is t:
-            ref = e[0]
-        else:
-            ref = _KeyedRef(t, self._cb)
-            ref.key = key
-        self._d[key] = (ref, node, idx, version)
+        e = MapEntry(t, self._cb)
+        e.key = key
+        e.node = node
+        e.idx = idx
+        e.version = version
+        self._d[key] = e
 
 
 def _wrapped_fqn(module: Any, default: str) -> str:
@@ -513,10 +541,6 @@ def _remember(h: Handle, v: Any) -> Any:
     return v
 
 
-def _handle_seq(h: Handle) -> int:
-    return h.seq
-
-
 def _node_seq(n: Node) -> int:
     return n.seq
 
@@ -536,7 +560,8 @@ class Graph:
         self.seq = 0
         self.lock = threading.RLock()
         self.epoch = 0
-        self.handles: weakref.WeakSet[Handle] = weakref.WeakSet()
+        # Weak references to the handles, in pack order (Note [Handles are weakly listed]).
+        self._handle_refs: list[weakref.ref] = []
         self.packed = 0  # handles created so far (their seq)
         self.stats = GraphStats()
         self.executor = executor
@@ -598,25 +623,25 @@ class Graph:
     def ref(self, t: torch.Tensor, allow_mutation: bool) -> tuple[Node, int]:
         """The node output that ``t`` currently is (a new leaf if it is unknown or stale)."""
         e = self.map.get(t)
-        if e is not None and (e[3] is None or e[3] == t._version):
-            return e[1], e[2]
+        if e is not None and (e.version is None or e.version == t._version):
+            return e.node, e.idx
         return self.leaf(t, _CP.MUST_SAVE, "boundary", allow_mutation), 0
 
     def tag(self, t: torch.Tensor, decision: Decision, allow_mutation: bool) -> None:
         """Save ``t`` (``tag_with_policy``): its node output stops being recomputed."""
         e = self.map.get(t)
-        if e is None or (e[3] is not None and e[3] != t._version):
+        if e is None or (e.version is not None and e.version != t._version):
             self.leaf(t, decision, "tagged", allow_mutation, owner="tagged tensor")
             return
-        _, node, idx, _ = e
+        node, idx = e.node, e.idx
         self._save_in_place(node, idx, t, decision, "tagged", allow_mutation)
 
     def boundary(self, t: torch.Tensor) -> None:
         """Save ``t`` as a region boundary (Note [FSDP units are region boundaries])."""
         e = self.map.get(t)
-        if e is None or (e[3] is not None and e[3] != t._version):
+        if e is None or (e.version is not None and e.version != t._version):
             return  # unknown here: a region input, already a saved leaf
-        _, node, idx, _ = e
+        node, idx = e.node, e.idx
         if node.must_recompute or (node.saved is not None and node.saved[idx] is not None):
             return
         self._save_in_place(node, idx, t, _CP.MUST_SAVE, "boundary", False)
@@ -624,9 +649,9 @@ class Graph:
     def cut(self, t: torch.Tensor) -> None:
         """Make ``t``'s node a cut node (Note [Nested modules cut the replay])."""
         e = self.map.get(t)
-        if e is None or (e[3] is not None and e[3] != t._version):
+        if e is None or (e.version is not None and e.version != t._version):
             return
-        node = e[1]
+        node = e.node
         if node.op is None or node.cut or node.values is not None:
             return
         if node.saved is not None and all(x is not None for x in node.saved):
@@ -643,8 +668,8 @@ class Graph:
         ref = None
         for p in params:
             e = self.map.get(p)
-            if e is not None and e[1].op is None:
-                e[1].fsdp_unit = ref = ref or weakref.ref(unit)
+            if e is not None and e.node.op is None:
+                e.node.fsdp_unit = ref = ref or weakref.ref(unit)
 
     def _save_in_place(self, node: Node, idx: int, t: torch.Tensor, decision: Decision, reason: str, allow: bool) -> None:
         keep = node.op is None or not (t.is_floating_point() or t.is_complex())
@@ -665,9 +690,9 @@ class Graph:
                 self._disarm(m, j)
         if not node.scheduled and all(s is not None for s in node.saved):
             # Fully saved now: recompute never passes through it, let its inputs go.
-            node.inputs = []
+            node.inputs = ()
             node.args = ()
-            node.kwargs = {}
+            node.kwargs = NO_KWARGS
 
     def _disarm(self, node: Node, idx: int) -> None:
         stack = [(node, idx)]
@@ -689,21 +714,32 @@ class Graph:
     def pack(self, t: torch.Tensor) -> Handle:
         # Autograd may save an op's inputs before the tracer sees the op: a region input
         # can become a leaf here first, under the innermost region's mutation setting.
-        frames = self.frames
-        node, idx = self.ref(t, frames[-1].allow_mutation if frames else False)
+        gmap = self.map
+        e = gmap._d.get(id(t)) if gmap is not None else None
+        if e is not None and e() is t and (e.version is None or e.version == t._version):
+            node, idx = e.node, e.idx  # Graph.ref, inlined: the common case
+        else:
+            frames = self.frames
+            node, idx = self.ref(t, frames[-1].allow_mutation if frames else False)
         node.held += 1
         with self.lock:
-            self.packed += 1
-            h = Handle(self, node, idx, self.packed)
+            self.packed = seq = self.packed + 1
+            h = Handle(self, node, idx, seq)
             self.arm(node, idx)
-        self.handles.add(h)
+            self._handle_refs.append(weakref.ref(h))
         return h
 
     # ---- backward side ------------------------------------------------------------
     def arm(self, node: Node, idx: int) -> None:
         """Add one pending use of ``node[idx]`` (Note [Use counts ...]); saved values
         count their uses too (Note [Saved values die at their last use])."""
-        stack = [(node, idx)]
+        node.pending[idx] += 1
+        if node.scheduled or node.saved is not None and node.saved[idx] is not None:
+            return  # the common cases: no walk (the first value is the one just armed)
+        if node.cut or node.values is not None and node.values[idx] is not None:
+            return
+        node.scheduled = True
+        stack = [(m, j) for _, m, j in node.inputs]
         while stack:
             n, i = stack.pop()
             n.pending[i] += 1
@@ -711,7 +747,7 @@ class Graph:
                 continue
             if not n.cut and not (n.values is not None and n.values[i] is not None) and not n.scheduled:
                 n.scheduled = True
-                stack.extend((m, j) for _, m, j in n.inputs)
+                stack.extend([(m, j) for _, m, j in n.inputs])
 
     def take(self, node: Node, idx: int) -> Any:
         """Hand ``node[idx]`` to one consumer; drop the cached value at its last use."""
@@ -977,20 +1013,69 @@ class Graph:
                 return self.executor.realize(self, h.node, h.idx)
             if h.consumed_task is not None:
                 self._new_epoch(task)  # a retained graph differentiated again
-            v = self.executor.realize(self, h.node, h.idx)
+            v = self._existing(h.node, h.idx) if self.executor.takes_existing else _MISSING
+            if v is _MISSING:
+                v = self.executor.realize(self, h.node, h.idx)
             h.consumed_task = task
             return _remember(h, v)
+
+    @property
+    def handles(self) -> list[Handle]:
+        """The live handles, in pack order."""
+        return self.live_handles()
+
+    def _existing(self, node: Node, idx: int) -> Any:
+        """``take(node, idx)`` when that runs no op, else ``_MISSING``.
+
+        Note [Unpacking a value that exists]
+            Most unpacks in backward find their value already there: a recomputed value
+            cached for its pending consumers (the first unpack replayed the chain), or a
+            plain saved reference. Taking it dispatches nothing, so it needs none of
+            the replay environment (Note [Replay environment] in replay.py) and is
+            done here, without the executor. A value that does need work to hand over
+            -- a replay, an FSDP unshard, an unpack hook, an offloaded or CPU copy --
+            goes through the executor as before. The saved value's checks (version,
+            ``create_graph`` with a detached value) run the same.
+        """
+        saved = node.saved
+        if saved is None or saved[idx] is None:
+            values = node.values
+            if values is not None and values[idx] is not None:
+                return self.take(node, idx)
+            return _MISSING
+        s = saved[idx]
+        if type(s) is Saved and s.hooks is None and s.device is None and not s.offloaded and node.fsdp_unit is None:
+            self.create_graph = torch.is_grad_enabled()
+            return self.take(node, idx)
+        return _MISSING
 
     def live_handles(self) -> list[Handle]:
         """Live handles in pack order.
 
         Note [Deterministic prefetch order]
-            ``handles`` is a WeakSet: its iteration order follows memory addresses and
-            differs between ranks. Realizing handles may unshard FSDP units (a
-            collective), so every walk that can replay goes in pack order, which is
-            the program's order and the same on every rank.
+            Realizing handles may unshard FSDP units (a collective), so every walk that
+            can replay goes in pack order, which is the program's order and the same on
+            every rank (a WeakSet's iteration order follows memory addresses and
+            differs between ranks).
+
+        Note [Handles are weakly listed]
+            The graph keeps a plain weak reference to each handle, appended at pack time
+            (already in pack order), with no callback: a dead handle's reference stays
+            in the list until a walk finds it dead and compacts the list. Cheaper per
+            saved tensor than a WeakSet (no set entry, no callback when autograd frees
+            the handle in backward), and handles are walked only by prefetches and by a
+            retained graph's next backward.
         """
-        return sorted(self.handles, key=_handle_seq)
+        with self.lock:
+            live = []
+            refs = []
+            for r in self._handle_refs:
+                h = r()
+                if h is not None:
+                    live.append(h)
+                    refs.append(r)
+            self._handle_refs = refs
+        return live
 
     def prefetch(self) -> int:
         """Realize every handle not yet consumed in this backward and park the value

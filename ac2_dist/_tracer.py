@@ -91,6 +91,8 @@ _inference_mode = torch.is_inference_mode_enabled
 _NONE = SideEffect.NONE
 _MUTATION = SideEffect.MUTATION
 _COMMUNICATING = (SideEffect.COLLECTIVE, SideEffect.FSDP, SideEffect.REGISTERED)
+# ``Node.args`` of an op whose positional arguments are all tensors (or None).
+_NONES = tuple((None,) * n for n in range(8))
 # What an op may return without being opaque (anything else, e.g. a Work handle, is).
 _KNOWN_RESULTS = (
     _Tensor, int, float, bool, complex, torch.SymInt, torch.SymFloat, torch.SymBool, torch.dtype, torch.device,
@@ -174,6 +176,7 @@ class Tracer(TorchDispatchMode):
         self.state = state
         self.ctx = ctx
         self.probe = _CollectiveProbe()
+        self._owners: dict[Any, str] = {}  # op -> "output of <op>" (formatted once per op)
 
     @_skip_dynamo
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: C901 - hot path
@@ -279,7 +282,8 @@ class Tracer(TorchDispatchMode):
             if rng is not None:
                 node.rng = (rng.index, len(rng.nodes))
                 rng.nodes.append(node)
-            node.must_recompute = decision is _CP.MUST_RECOMPUTE
+            if decision is _CP.MUST_RECOMPUTE:  # Note [Rare node fields live in a lazy dict]
+                node.must_recompute = True
             if fresh:  # Note [Replaying writes to fresh tensors] (_graph.py)
                 node.writes = info.written
                 if via is not None:
@@ -291,7 +295,7 @@ class Tracer(TorchDispatchMode):
             if src is not None:
                 e = gmap.get(src)
                 if e is not None:
-                    e[1].viewed = True
+                    e.node.viewed = True
             node = graph.new_node(func, len(flat), inner.module_fqn)
             graph.stats.saved_nodes += 1
             keep_base = not info.returns_alias
@@ -303,10 +307,13 @@ class Tracer(TorchDispatchMode):
                         version = view_version
                     else:
                         version = o._version + bump if bump and id(o) in written else None
+                    owner = self._owners.get(func)
+                    if owner is None:
+                        owner = self._owners[func] = f"output of {func}"
                     node.set_saved(
                         i,
                         Saved(o, decision, reason=reason, allow_mutation=inner.allow_mutation,
-                              keep_identity=keep, owner=f"output of {func}", version=version,
+                              keep_identity=keep, owner=owner, version=version,
                               counter=counter, offload=graph.offload),
                     )
         if (
@@ -317,14 +324,17 @@ class Tracer(TorchDispatchMode):
             if e is None:
                 node.viewed = node.aliased = True
             else:
-                node.alias_of = (e[1], e[2])
-                e[1].aliased = True
-        for i, o in enumerate(flat):
-            if isinstance(o, _Tensor):
-                if src is not None:
-                    gmap.set(o, node, i, view_version)
-                else:
-                    gmap.set(o, node, i, o._version + bump if bump and id(o) in written else o._version)
+                node.alias_of = (e.node, e.idx)
+                e.node.aliased = True
+        if single and src is None and not bump:
+            gmap.set(out, node, 0, out._version)  # the common case of the loop below
+        else:
+            for i, o in enumerate(flat):
+                if isinstance(o, _Tensor):
+                    if src is not None:
+                        gmap.set(o, node, i, view_version)
+                    else:
+                        gmap.set(o, node, i, o._version + bump if bump and id(o) in written else o._version)
         if via is not None:  # the base is the write's last output
             base = via[0]
             gmap.set(base, node, len(flat), base._version + bump)
@@ -403,9 +413,9 @@ class Tracer(TorchDispatchMode):
         gmap = self.graph.map
         for t in written.values():
             e = gmap.get(t)
-            if e is None or e[3] != t._version or t._is_view():
+            if e is None or e.version != t._version or t._is_view():
                 return False
-            node, idx = e[1], e[2]
+            node, idx = e.node, e.idx
             if node.op is None or node.viewed or node.aliased or node.cut or (
                 node.saved is not None and node.saved[idx] is not None
             ):
@@ -430,17 +440,17 @@ class Tracer(TorchDispatchMode):
             return None
         gmap = self.graph.map
         e, eb = gmap.get(w), gmap.get(base)
-        if e is None or eb is None or e[3] != w._version or eb[3] != base._version:
+        if e is None or eb is None or e.version != w._version or eb.version != base._version:
             return None
         if sum(a is w for a in args) + sum(v is w for v in kwargs.values()) != 1:
             return None  # the view is also read by this op
-        node, idx = e[1], e[2]
+        node, idx = e.node, e.idx
         steps: list[tuple] = []
         while True:
             if (node.op is None or node.cut or node.held or node.readers != node.viewers
                     or (node.saved is not None and node.saved[idx] is not None)):
                 return None
-            if node is eb[1] and idx == eb[2]:
+            if node is eb.node and idx == eb.idx:
                 break
             if node.via is not None:  # the view an earlier replayable write returned
                 if idx != 0 or len(node.pending) != 2:
@@ -476,8 +486,8 @@ class Tracer(TorchDispatchMode):
         gmap = self.graph.map
         for t in tensors:
             e = gmap.get(t)
-            if e is not None and (e[3] is None or e[3] == t._version):
-                node, idx = e[1], e[2]
+            if e is not None and (e.version is None or e.version == t._version):
+                node, idx = e.node, e.idx
                 while True:  # t, and the values it aliases (Note [Aliases a schema does not declare])
                     if node.readers and node.saved is not None and node.saved[idx] is not None:
                         node.saved[idx].snapshot()
@@ -488,23 +498,30 @@ class Tracer(TorchDispatchMode):
     @staticmethod
     def _recomputable(graph: Graph, func, info, args, kwargs, nout, frame, scratch=()) -> Node:
         node = graph.new_node(func, nout, frame.module_fqn)
-        inputs = node.inputs
+        inputs = node.inputs = []
         allow = frame.allow_mutation
         targs = list(args)
         view_src = info.view_src
+        gmap_get = graph.map._d.get
+        plain = True  # every positional argument is a tensor or None
         for i, a in enumerate(args):
             if isinstance(a, _Tensor):
                 targs[i] = None
                 if scratch and i in scratch:  # Note [Statistics an op accumulates] (side_effects.py)
                     node.scratch += ((i, a.shape, a.dtype, a.device),)
                     continue
-                m, j = graph.ref(a, allow)
+                e = gmap_get(id(a))
+                if e is not None and e() is a and (e.version is None or e.version == a._version):
+                    m, j = e.node, e.idx  # Graph.ref, inlined: the common case
+                else:
+                    m, j = graph.ref(a, allow)
                 m.readers += 1
                 if i == view_src:
                     m.viewed = True
                     m.viewers += 1
                 inputs.append((i, m, j))
             elif info.has_tensor_lists and type(a) in (list, tuple):
+                plain = False
                 lst = list(a)
                 for k, e in enumerate(a):
                     if isinstance(e, _Tensor):
@@ -514,7 +531,12 @@ class Tracer(TorchDispatchMode):
                         lst[k] = None
                         node.lists = True
                 targs[i] = lst
-        node.args = tuple(targs)
+            elif a is not None:
+                plain = False
+        n = len(targs)
+        # Note [Rare node fields live in a lazy dict] (_graph.py): all-tensor arguments
+        # share one tuple of Nones per length.
+        node.args = _NONES[n] if plain and n < len(_NONES) else tuple(targs)
         if kwargs:
             tkw = dict(kwargs)
             for k, v in kwargs.items():

@@ -191,6 +191,10 @@ def _is_stream(s: Any) -> bool:
 class InlineExecutor:
     """Runs replays on the calling thread, in stream order (CPU, or when disabled)."""
 
+    #: A value that exists needs no executor: the graph hands it over itself (Note
+    #: [Unpacking a value that exists] in _graph.py). Not on a side stream.
+    takes_existing = True
+
     def __init__(self, thread_state: Any) -> None:
         self._state_of_thread = thread_state
 
@@ -250,6 +254,8 @@ class SideStreamExecutor(InlineExecutor):
     and every tensor handed over is ``record_stream``-ed on the consumer, so the
     caching allocator frees it when backward is done with it and never earlier.
     """
+
+    takes_existing = False  # values are handed over with the side stream's event
 
     def __init__(self, thread_state: Any, stream: Any = None) -> None:
         super().__init__(thread_state)

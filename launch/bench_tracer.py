@@ -1,0 +1,242 @@
+"""The cost of recording: per-op forward and backward cost of each checkpointing mode.
+
+One region holding a chain of tiny ops (``tanh`` then ``mul`` by a weight, 16-element
+tensors: the per-op Python cost dominates), at 1k, 4k, 16k and 64k ops, one thread.
+Modes, interleaved in one process (every mode once per round, so machine drift hits all
+alike; medians over the rounds):
+
+- ``eager``: no checkpointing;
+- ``torch-full``: ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``;
+- ``torch-sac``: the same with ``create_selective_checkpoint_contexts([aten.mul.Tensor])``;
+- ``ac2-full``: ``ac2_dist.apply_ac_policy("recompute_all")``;
+- ``ac2-save``: ``ac2_dist.apply_ac_policy([aten.mul.Tensor])`` (the same save list);
+- ``noop-mode``: a Python ``TorchDispatchMode`` whose ``__torch_dispatch__`` only calls
+  ``func`` -- the floor any Python dispatch mode pays (forward; its backward is eager's);
+- ``noop-mode-noshim``: the same mode without torch's per-call dynamo-disable shim
+  (``_should_skip_dynamo() -> False``, what ac2's tracer does);
+- ``noop-mode+hooks``: the no-op mode plus identity saved-tensor hooks
+  (``saved_tensors_hooks(lambda t: t, lambda t: t)``): the floor of any checkpointing that
+  records with a dispatch mode and hands autograd its own saved objects, as ac2 does
+  (torch's checkpoint installs such hooks too; the no-op mode alone has none).
+
+Printed: microseconds per op (forward, backward), the ratios of ac2's forward to the
+no-op mode's (both floors) and to torch's, of ac2's backward to torch's, the growth of
+the forward cost from 1k ops to the largest size, and the Python heap kept per recorded
+op (``tracemalloc``, the graph of one ``ac2-full`` / ``ac2-save`` forward still alive).
+
+    python launch/bench_tracer.py                      # 1k 4k 16k 64k ops, 5 rounds
+    python launch/bench_tracer.py --sizes 1000 4000 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+import ac2_dist as ac
+
+aten = torch.ops.aten
+SAVE = [aten.mul.Tensor]
+MODES = ["eager", "torch-full", "torch-sac", "ac2-full", "ac2-save", "noop-mode", "noop-mode-noshim", "noop-mode+hooks"]
+
+
+class NoopMode(TorchDispatchMode):
+    """A dispatch mode that does nothing: the floor of any Python dispatch mode."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class BareNoopMode(NoopMode):
+    """The no-op mode without torch's per-call dynamo-disable shim."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def chain(x: torch.Tensor, w: torch.Tensor, n_ops: int) -> torch.Tensor:
+    h = x
+    for _ in range(n_ops // 2):
+        h = torch.tanh(h) * w
+    return h
+
+
+def forward_fn(mode: str, n_ops: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``fn(x, w) -> out``: ``n_ops`` ATen ops recorded the way ``mode`` records them."""
+    run = functools.partial(chain, n_ops=n_ops)
+    if mode == "eager":
+        return run
+    if mode == "torch-full":
+        return lambda x, w: checkpoint(run, x, w, use_reentrant=False)
+    if mode == "torch-sac":
+        ctx = functools.partial(create_selective_checkpoint_contexts, SAVE)
+        return lambda x, w: checkpoint(run, x, w, use_reentrant=False, context_fn=ctx)
+    if mode in ("ac2-full", "ac2-save"):
+        policy: Any = "recompute_all" if mode == "ac2-full" else SAVE
+
+        def region(x, w):
+            with ac.apply_ac_policy(policy):
+                return run(x, w)
+        return region
+    if mode in ("noop-mode", "noop-mode-noshim"):
+        cls = NoopMode if mode == "noop-mode" else BareNoopMode
+
+        def in_mode(x, w):
+            with cls():
+                return run(x, w)
+        return in_mode
+    if mode == "noop-mode+hooks":
+        def in_mode_with_hooks(x, w):
+            with NoopMode(), torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+                return run(x, w)
+        return in_mode_with_hooks
+    raise ValueError(mode)
+
+
+def one_step(fn: Callable, x: torch.Tensor, w: torch.Tensor) -> tuple[float, float]:
+    """Seconds of forward and of backward of one step (after a collection, untimed: no
+    mode pays for garbage another one left)."""
+    x.grad = w.grad = None
+    gc.collect()
+    t0 = time.perf_counter()
+    out = fn(x, w)
+    t1 = time.perf_counter()
+    out.sum().backward()
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
+def measure(sizes: list[int], rounds: int, warmup: int, modes: list[str]) -> dict[int, dict[str, dict]]:
+    x = torch.randn(16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    results: dict[int, dict[str, dict]] = {}
+    for n in sizes:
+        fns = {m: forward_fn(m, n) for m in modes}
+        for _ in range(warmup):
+            for fn in fns.values():
+                one_step(fn, x, w)
+        times: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in modes}
+        grads: dict[str, torch.Tensor] = {}
+        for _ in range(rounds):
+            for m, fn in fns.items():
+                f, b = one_step(fn, x, w)
+                times[m][0].append(f)
+                times[m][1].append(b)
+                grads[m] = x.grad.clone()
+        for m in modes:  # every mode computes the same gradient
+            if not torch.equal(grads[m], grads["eager"]):
+                raise AssertionError(f"{m}: gradient differs from eager's at {n} ops")
+        results[n] = {
+            m: {"fwd_us": statistics.median(times[m][0]) / n * 1e6,
+                "bwd_us": statistics.median(times[m][1]) / n * 1e6,
+                "fwd_s": times[m][0], "bwd_s": times[m][1]}
+            for m in modes
+        }
+    return results
+
+
+def heap_per_op(n_ops: int, policy: Any) -> float:
+    """Python heap (tracemalloc) kept per recorded op by one region's forward."""
+    x = torch.randn(16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    run = functools.partial(chain, n_ops=n_ops)
+
+    def region():
+        with ac.apply_ac_policy(policy):
+            return run(x, w)
+    region().sum().backward()  # warm caches (op facts, policy answers)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        out = region()
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    del out
+    return kept / n_ops
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}"
+
+
+def report(results: dict[int, dict[str, dict]], heap: dict[str, float]) -> str:
+    lines = [
+        "| ops | eager | torch full AC | torch SAC | ac2 full | ac2 save-list | no-op mode | no-op mode, no shim |"
+        " no-op mode + hooks | ac2 full fwd / no-op | ac2 full fwd / no-op + hooks | ac2 full fwd / torch full |"
+        " ac2 full bwd / torch full | ac2 save-list fwd, bwd / torch SAC |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n, r in results.items():
+        cells = [f"{r[m]['fwd_us']:.1f} / {r[m]['bwd_us']:.1f}" for m in MODES[:5]]
+        cells += [f"{r[m]['fwd_us']:.1f}" for m in MODES[5:7]]
+        cells += [f"{r['noop-mode+hooks']['fwd_us']:.1f} / {r['noop-mode+hooks']['bwd_us']:.1f}"]
+        cells += [
+            _ratio(r["ac2-full"]["fwd_us"], r["noop-mode"]["fwd_us"]),
+            _ratio(r["ac2-full"]["fwd_us"], r["noop-mode+hooks"]["fwd_us"]),
+            _ratio(r["ac2-full"]["fwd_us"], r["torch-full"]["fwd_us"]),
+            _ratio(r["ac2-full"]["bwd_us"], r["torch-full"]["bwd_us"]),
+            f"{_ratio(r['ac2-save']['fwd_us'], r['torch-sac']['fwd_us'])}, "
+            f"{_ratio(r['ac2-save']['bwd_us'], r['torch-sac']['bwd_us'])}",
+        ]
+        lines.append(f"| {n // 1000}k | " + " | ".join(cells) + " |")
+    sizes = list(results)
+    first, last = sizes[0], sizes[-1]
+    lines.append("")
+    for m in ("ac2-full", "ac2-save", "torch-full", "torch-sac", "noop-mode"):
+        lines.append(f"{m}: forward per op at {last // 1000}k ops / at {first // 1000}k: "
+                     f"{results[last][m]['fwd_us'] / results[first][m]['fwd_us']:.2f}")
+    for m, b in heap.items():
+        lines.append(f"Python heap kept per recorded op ({m}, tracemalloc): {b:.0f} B")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1000, 4000, 16000, 64000])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--heap-ops", type=int, default=4000)
+    p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    modes = args.modes if "eager" in args.modes else ["eager", *args.modes]
+    results = measure(args.sizes, args.rounds, args.warmup, modes)
+    heap = {"ac2-full": heap_per_op(args.heap_ops, "recompute_all"), "ac2-save": heap_per_op(args.heap_ops, SAVE)}
+    if set(MODES) <= set(modes):
+        print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, 1 thread, {args.rounds} rounds;"
+              " us per op, forward / backward (median over rounds)")
+        print(report(results, heap))
+    else:
+        for n, r in results.items():
+            print(n, {m: (round(v["fwd_us"], 2), round(v["bwd_us"], 2)) for m, v in r.items()})
+        print(heap)
+    out = {"results": results, "heap_per_op": heap}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+if __name__ == "__main__":
+    main()
