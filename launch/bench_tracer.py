@@ -22,7 +22,9 @@ alike; medians over the rounds):
 Printed: microseconds per op (forward, backward), the ratios of ac2's forward to the
 no-op mode's (both floors) and to torch's, of ac2's backward to torch's, the growth of
 the forward cost from 1k ops to the largest size, and the Python heap kept per recorded
-op (``tracemalloc``, the graph of one ``ac2-full`` / ``ac2-save`` forward still alive).
+op (``tracemalloc``, the graph of one ``ac2-full`` / ``ac2-save`` forward still alive), and,
+as a diagnostic, ``ac2-full``'s forward with the cyclic garbage collector paused during the
+timed forward (what the growth with region length is made of).
 
     python launch/bench_tracer.py                      # 1k 4k 16k 64k ops, 5 rounds
     python launch/bench_tracer.py --sizes 1000 4000 --rounds 3
@@ -175,11 +177,37 @@ def heap_per_op(n_ops: int, policy: Any) -> float:
     return kept / n_ops
 
 
+def forward_gc_paused(sizes: list[int], rounds: int) -> dict[int, float]:
+    """Diagnostic: ``ac2-full`` forward us/op with the cyclic garbage collector paused
+    for the timed forward only (re-enabled and run before the next one). The difference
+    to the plain figure is what full collections cost; never what ac2 does by itself."""
+    x = torch.randn(16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    out: dict[int, float] = {}
+    for n in sizes:
+        fn = forward_fn("ac2-full", n)
+        fwd = []
+        for _ in range(rounds + 1):
+            gc.collect()
+            gc.disable()
+            try:
+                t0 = time.perf_counter()
+                y = fn(x, w)
+                t1 = time.perf_counter()
+            finally:
+                gc.enable()
+            y.sum().backward()
+            del y
+            fwd.append(t1 - t0)
+        out[n] = statistics.median(fwd[1:]) / n * 1e6
+    return out
+
+
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}"
 
 
-def report(results: dict[int, dict[str, dict]], heap: dict[str, float]) -> str:
+def report(results: dict[int, dict[str, dict]], heap: dict[str, float], paused: dict[int, float]) -> str:
     lines = [
         "| ops | eager | torch full AC | torch SAC | ac2 full | ac2 save-list | no-op mode | no-op mode, no shim |"
         " no-op mode + hooks | ac2 full fwd / no-op | ac2 full fwd / no-op + hooks | ac2 full fwd / torch full |"
@@ -205,6 +233,9 @@ def report(results: dict[int, dict[str, dict]], heap: dict[str, float]) -> str:
     for m in ("ac2-full", "ac2-save", "torch-full", "torch-sac", "noop-mode"):
         lines.append(f"{m}: forward per op at {last // 1000}k ops / at {first // 1000}k: "
                      f"{results[last][m]['fwd_us'] / results[first][m]['fwd_us']:.2f}")
+    lines.append("ac2-full forward per op, cyclic GC paused during the forward (diagnostic): "
+                 + ", ".join(f"{n // 1000}k {v:.1f} us" for n, v in paused.items())
+                 + f"; {last // 1000}k / {first // 1000}k: {paused[last] / paused[first]:.2f}")
     for m, b in heap.items():
         lines.append(f"Python heap kept per recorded op ({m}, tracemalloc): {b:.0f} B")
     return "\n".join(lines)
@@ -223,15 +254,16 @@ def main(argv: list[str] | None = None) -> dict:
     modes = args.modes if "eager" in args.modes else ["eager", *args.modes]
     results = measure(args.sizes, args.rounds, args.warmup, modes)
     heap = {"ac2-full": heap_per_op(args.heap_ops, "recompute_all"), "ac2-save": heap_per_op(args.heap_ops, SAVE)}
+    paused = forward_gc_paused([args.sizes[0], args.sizes[-1]], args.rounds)
     if set(MODES) <= set(modes):
         print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, 1 thread, {args.rounds} rounds;"
               " us per op, forward / backward (median over rounds)")
-        print(report(results, heap))
+        print(report(results, heap, paused))
     else:
         for n, r in results.items():
             print(n, {m: (round(v["fwd_us"], 2), round(v["bwd_us"], 2)) for m, v in r.items()})
-        print(heap)
-    out = {"results": results, "heap_per_op": heap}
+        print(heap, paused)
+    out = {"results": results, "heap_per_op": heap, "ac2_full_fwd_us_gc_paused": paused}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
