@@ -4,23 +4,51 @@ On CPU there is no ``memory_allocated()``; the profiler's memory events are the
 allocator's record of every allocation and free (address, size and time). Replaying
 them in time order gives the bytes allocated within a window that are alive at any
 moment of it. The same works for CUDA events, so one code path serves both devices.
+
+Note [One trace, two readers]
+    Two profiler sessions cannot run at once (the inner one's stop ends both), yet a
+    ``MemoryBudget(peak=...)`` verifies its plan from the allocator while a user's (or a
+    test's) ``memory.track`` / ``AllocationTrace`` may be measuring the same step. So
+    each running trace is listed per thread (:func:`active_trace`); the planner marks
+    its step with *plan marks* (a prefix of their own, read into ``plan_marks``, never
+    into ``marks``: no phase of the other reader moves) and reads its figures from
+    ``spans`` when the trace exits (``on_exit``). Both readers get the allocator's
+    events unchanged; neither sees the other's figures. When no trace runs, the
+    planner starts its own for the step and stops it when its next step begins (not
+    at the end of backward: a profiler stopped inside the autograd engine's final
+    callback is restored as enabled when the engine restores the thread's state); a
+    trace that starts in between (``memory.track``) stops it first (``preempt``).
 """
 
 from __future__ import annotations
 
 import atexit
+import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch._C._profiler import _ExtraFields_Allocation as _Allocation
 from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["AllocationTrace", "Phase"]
+__all__ = ["AllocationTrace", "Phase", "active_trace"]
 
 _MARK_PREFIX = "ac2::mark::"
+# Marks of a MemoryBudget(peak=...) step (Note [One trace, two readers]): kept apart from
+# the phase marks, so a planner measuring inside someone else's trace moves no phase.
+_PLAN_PREFIX = "ac2::plan::"
+
+# The AllocationTraces running on this thread, innermost last (Note [One trace, two readers]).
+_local = threading.local()
+
+
+def active_trace() -> AllocationTrace | None:
+    """The innermost :class:`AllocationTrace` running on this thread, if any."""
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else None
 
 
 @dataclass
@@ -57,9 +85,19 @@ class AllocationTrace:
     phases: dict[str, Phase] = field(default_factory=dict)
     segments: list[tuple[str, Phase]] = field(default_factory=list)
     whole: Phase = field(default_factory=Phase)
+    #: (time_ns, name) of the planner's marks (``plan_mark``), in time order
+    plan_marks: list[tuple[int, str]] = field(default_factory=list)
+    #: called with the trace once it has been summarized (Note [One trace, two readers])
+    on_exit: list[Callable[[AllocationTrace], None]] = field(default_factory=list)
+    #: set on a planner's own trace: a trace that starts while it runs stops it first
+    #: (and it stops quietly at exit) (Note [One trace, two readers])
+    preempt: Callable[[], None] | None = None
     _prof: Any = None
 
     def __enter__(self) -> AllocationTrace:
+        top = active_trace()
+        if top is not None and top.preempt is not None:
+            top.preempt()
         acts = [ProfilerActivity.CPU]
         if self.device_type == "cuda":
             acts.append(ProfilerActivity.CUDA)
@@ -72,6 +110,10 @@ class AllocationTrace:
             raise
         self._prof = prof
         atexit.register(self._stop_at_exit)
+        stack = getattr(_local, "stack", None)
+        if stack is None:
+            stack = _local.stack = []
+        stack.append(self)
         return self
 
     def _stop_at_exit(self) -> None:
@@ -86,18 +128,32 @@ class AllocationTrace:
         prof, self._prof = self._prof, None
         if prof is None:
             return
+        self._unregister()
+        if self.preempt is not None:  # a MemoryBudget(peak=...) measuring its last step
+            prof.__exit__(None, None, None)
+            return
         warnings.warn("ac2_dist: a memory tracker was still active at exit (its with-block never "
                       "ended); its profiler session is stopped now", RuntimeWarning, stacklevel=1)
         prof.__exit__(None, None, None)
 
     def mark(self, name: str) -> None:
         """An instant profiler range: only its start time is read back (phase boundary)."""
-        marker = record_function(_MARK_PREFIX + name)
-        marker.__enter__()
-        marker.__exit__(None, None, None)
+        _instant(_MARK_PREFIX + name)
+
+    @staticmethod
+    def plan_mark(name: str) -> None:
+        """A mark that splits no phase: read back in ``plan_marks`` (Note [One trace,
+        two readers]). Static: it goes to whichever trace is running."""
+        _instant(_PLAN_PREFIX + name)
+
+    def _unregister(self) -> None:
+        stack = getattr(_local, "stack", None)
+        if stack and self in stack:
+            stack.remove(self)
 
     def __exit__(self, *exc: Any) -> None:
         atexit.unregister(self._stop_at_exit)
+        self._unregister()
         prof, self._prof = self._prof, None
         prof.__exit__(*exc)
         allocations: list[tuple[int, int, int]] = []  # (time_ns, address, +/- bytes)
@@ -109,14 +165,46 @@ class AllocationTrace:
                     allocations.append((e.start_time_ns, fields.ptr, fields.alloc_size))
             elif name.startswith(_MARK_PREFIX):
                 self.marks.append((e.start_time_ns, name[len(_MARK_PREFIX):]))
+            elif name.startswith(_PLAN_PREFIX):
+                self.plan_marks.append((e.start_time_ns, name[len(_PLAN_PREFIX):]))
             elif name in self.watch and not _inside(e, name):
                 # A watched op may appear again nested inside its own event (dispatcher
                 # re-entry): count only the outermost one.
                 self.calls.append((e.start_time_ns, name))
         self.events = _paired(allocations)
         self.marks.sort()
+        self.plan_marks.sort()
         self.calls.sort()
         self._summarize()
+        listeners, self.on_exit = self.on_exit, []
+        for fn in listeners:
+            fn(self)
+
+    def spans(self, names: list[str]) -> dict[str, tuple[int, int]]:
+        """``{name: (live bytes at its plan mark, peak live bytes until the next of
+        ``names``' marks)}`` for the plan marks named in ``names`` (the last one runs
+        to the end of the trace). A name marked twice keeps its first mark."""
+        wanted = set(names)
+        marks = []
+        seen = set()
+        for t, name in self.plan_marks:
+            if name in wanted and name not in seen:
+                seen.add(name)
+                marks.append((t, name))
+        stream = [(t, 0, k, name) for k, (t, name) in enumerate(marks)]
+        stream += [(t, 1, k, nbytes) for k, (t, nbytes) in enumerate(self.events)]
+        stream.sort(key=lambda e: e[:3])
+        live = 0
+        out: dict[str, list[int]] = {}
+        current: list[int] | None = None
+        for _, kind, _, value in stream:
+            if kind == 0:
+                current = out[value] = [live, live]
+            else:
+                live += value
+                if current is not None and live > current[1]:
+                    current[1] = live
+        return {name: (a, b) for name, (a, b) in out.items()}
 
     def calls_after(self, mark: str) -> int:
         """Number of watched calls that started after the first ``mark``."""
@@ -155,6 +243,15 @@ class AllocationTrace:
                     phase.calls += 1
         self.whole.end_bytes = live
         self.phases = dict(self.segments)
+
+
+def _instant(name: str) -> None:
+    # Below any dispatch mode: a mark made inside a checkpointed region is no op of it
+    # (a budget's plan would otherwise see its structure change when tracing stops).
+    with _disable_current_modes():
+        marker = record_function(name)
+        marker.__enter__()
+        marker.__exit__(None, None, None)
 
 
 def _walk(roots: list[Any]) -> Iterator[Any]:

@@ -572,6 +572,9 @@ class Graph:
         # Called as observer(node, op, args, kwargs, out) for every recorded op while set
         # (a calibrating ac2_dist.MemoryBudget region; budget.py).
         self.observer: Any = None
+        # Called once as on_backward(graph) by the first unpack or prefetch (a
+        # MemoryBudget(peak=...) marks where this unit's backward begins; _peak.py).
+        self.on_backward: Any = None
         self.rng_chains: list[RngChain] = []  # every chain (rewound at a new epoch)
         self.open_chains: dict[int, RngChain] = {}  # id(generator) -> chain open in forward
         # Set by module wrappers that prefetch (Note [Prefetching the next unit's replay]):
@@ -995,6 +998,8 @@ class Graph:
     def unpack(self, h: Handle) -> Any:
         if self.tracker is not None:
             self.tracker._on_unpack()
+        if self.on_backward is not None:
+            self._backward_begins()
         with self.lock:
             if h.prefetched is not None:
                 value, ready = h.prefetched, h.ready
@@ -1018,6 +1023,11 @@ class Graph:
                 v = self.executor.realize(self, h.node, h.idx)
             h.consumed_task = task
             return _remember(h, v)
+
+    def _backward_begins(self) -> None:
+        fn, self.on_backward = self.on_backward, None
+        if fn is not None:
+            fn(self)
 
     @property
     def handles(self) -> list[Handle]:
@@ -1083,6 +1093,8 @@ class Graph:
         task = torch._C._current_graph_task_id()
         if self.tracker is not None:
             self.tracker._on_unpack()  # a prefetch is backward work
+        if self.on_backward is not None:
+            self._backward_begins()
         done = 0
         with self.lock:
             for h in self.live_handles():

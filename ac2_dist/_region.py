@@ -197,12 +197,21 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
                 st.graph = st.install.graph
             else:  # Note [No grad, no region]: an outermost use that records nothing
                 self.stats, self.graph = GraphStats(), None
-        frame = self._frame.for_region()  # Note [Region-scoped policies] (_policy.py)
-        st.frames.append(frame)
-        st.owners.append(self)
-        enter = getattr(frame.fn, "region_enter", None)
-        if enter is not None:
-            enter(st.graph)
+        depth, owners = len(st.frames), len(st.owners)
+        try:
+            frame = self._frame.for_region()  # Note [Region-scoped policies] (_policy.py)
+            st.frames.append(frame)
+            st.owners.append(self)
+            enter = getattr(frame.fn, "region_enter", None)
+            if enter is not None:
+                enter(st.graph)
+        except BaseException as e:  # a policy refused the region: leave no region behind
+            del st.frames[depth:]
+            del st.owners[owners:]
+            install = st.install
+            if install is not None and install.owner is self:
+                self._uninstall(st, install, type(e), e, e.__traceback__)
+            raise
         return self
 
     def _install(self, st: _ThreadState) -> _Install:
@@ -252,16 +261,20 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
             leave(st.graph, exc_type is not None)
         install = st.install
         if install is not None and install.owner is self:
-            st.install = None
-            st.graph = None
-            install.graph.map = None
-            try:
-                install.tracer.__exit__(exc_type, exc, tb)
-            finally:
-                install.module_hook.remove()
-                install.hooks.__exit__(exc_type, exc, tb)
-                if install.graph.offload is not None:
-                    install.graph.offload.close()
+            self._uninstall(st, install, exc_type, exc, tb)
+
+    @staticmethod
+    def _uninstall(st: _ThreadState, install: _Install, exc_type: Any, exc: Any, tb: Any) -> None:
+        st.install = None
+        st.graph = None
+        install.graph.map = None
+        try:
+            install.tracer.__exit__(exc_type, exc, tb)
+        finally:
+            install.module_hook.remove()
+            install.hooks.__exit__(exc_type, exc, tb)
+            if install.graph.offload is not None:
+                install.graph.offload.close()
 
 
 @torch._dynamo.assume_constant_result

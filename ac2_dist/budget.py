@@ -91,6 +91,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
 from ._graph import flatten_outputs
+from ._peak import PeakPlanner, _Option, parse_size
 from .fsdp import own_ops_scope
 from .side_effects import op_info
 
@@ -121,6 +122,16 @@ class MemoryBudget:
             stages, MoE experts).
         bytes: instead of ``fraction``, the bytes a region may save above the
             ``"recompute_all"`` floor (an int >= 0), or a callable ``rank -> bytes``.
+        peak: instead of either, a physical target for the whole step: the rank's peak
+            allocated bytes during forward + backward stay <= ``peak`` (an int, a size
+            string such as ``"70GiB"`` or ``"512MiB"``, or a callable ``rank -> size``).
+            One instance applied to all blocks is one budget for the model: their saved
+            sets are planned together from what the first step measures, verified after
+            each step and corrected until the measured peak fits (Notes in _peak.py).
+            On CUDA the scale is ``torch.cuda.max_memory_allocated``'s; on CPU the peak
+            above what was allocated when the step's first checkpointed forward began.
+        strict: with ``peak``: a target below the measured floor raises (at the next
+            forward) instead of warning once and running at the floor.
 
     Usable wherever a policy is (``apply_ac``, ``wrap``, ``apply_ac_policy``,
     ``apply_ac_policy_fn``, ``checkpoint``), nested with other policies (its answers
@@ -135,16 +146,28 @@ class MemoryBudget:
         fraction: float | Callable[[int], float] | None = None,
         *,
         bytes: int | Callable[[int], int] | None = None,  # noqa: A002 - public name fixed by CONTRACT §11
+        peak: int | str | Callable[[int], int | str] | None = None,
+        strict: bool = False,
     ) -> None:
-        if (fraction is None) == (bytes is None):
-            raise TypeError("ac2_dist.MemoryBudget: pass exactly one of fraction or bytes")
+        given = [name for name, v in (("fraction", fraction), ("bytes", bytes), ("peak", peak)) if v is not None]
+        if len(given) != 1:
+            raise TypeError("ac2_dist.MemoryBudget: pass exactly one of fraction, bytes or peak"
+                            + (f" (got {' and '.join(given)})" if given else ""))
+        if not isinstance(strict, bool):
+            raise TypeError(f"ac2_dist.MemoryBudget: strict must be a bool, got {strict!r}")
+        if strict and peak is None:
+            raise TypeError("ac2_dist.MemoryBudget: strict applies to a peak target (MemoryBudget(peak=..., strict=True))")
         self._fraction = fraction
         self._bytes = bytes
+        self._peak_arg = peak
+        self._strict = strict
+        self._planner: PeakPlanner | None = None
         self._lock = threading.Lock()
         self._plans: dict[tuple, Plan] = {}  # structure signature -> plan (shared by equal blocks)
         self._by_fqn: dict[str, Plan] = {}  # the plan a module's next call follows
         self._recalibrate: set[str] = set()  # modules whose next call calibrates (their last one diverged)
         self._by_pattern: dict[str, Plan] = {}  # fqn with list indices as '#' -> the plan last used there
+        self._fqn_plans: dict[str, dict[tuple, Plan]] = {}  # a peak target's plans: fqn -> structure -> plan
         self._resolved: tuple[str, float] | None = None
         self._cost: _CostModel | None = None
         self.plans_made = 0  # solver runs (planning cost paid)
@@ -165,6 +188,10 @@ class MemoryBudget:
                     f"{' (returned for rank ' + str(rank) + ')' if callable(self._fraction) else ''}, got {value!r}"
                 )
             resolved = ("fraction", float(value))
+        elif self._peak_arg is not None:
+            value = self._call("peak", self._peak_arg, rank)
+            where = f" (returned for rank {rank})" if callable(self._peak_arg) else ""
+            resolved = ("peak", parse_size(value, "peak" + where))
         else:
             value = self._call("bytes", self._bytes, rank)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -202,9 +229,32 @@ class MemoryBudget:
         kind, value = self._resolve()
         return value == 0
 
+    @property
+    def peak_planner(self) -> PeakPlanner | None:
+        """The global planner of a ``peak`` target (``None`` for fraction/bytes budgets)."""
+        if self._peak_arg is None:
+            return None
+        if self._planner is None:
+            self._planner = PeakPlanner(self, self._resolve()[1])
+        return self._planner
+
+    def close(self) -> None:
+        """Stop the measurement a ``peak`` target may have running.
+
+        While it verifies its plan (the first steps, Note [Verify, correct, stay put] in
+        _peak.py) the planner traces allocations from a step's first region to the next
+        step's, when no ``memory.track`` runs. Call this if training stops during those
+        steps and the process goes on (e.g. before starting ``torch.profiler``); at exit
+        it stops by itself. A later step measures again if the plan has not settled."""
+        if self._planner is not None:
+            self._planner.close()
+
     # ---- regions ------------------------------------------------------------------------
     def new_region_policy(self, module_fqn: str) -> _BudgetRegion:
         """The policy of one region (one call of a checkpointed module); called by ac2."""
+        planner = self.peak_planner
+        if planner is not None:
+            planner.before_region(module_fqn)
         return _BudgetRegion(self, module_fqn)
 
     def _plan_for(self, fqn: str) -> tuple[Plan | None, bool]:
@@ -227,12 +277,14 @@ class MemoryBudget:
                     return plan
         return None
 
-    def _switch(self, plan: Plan, k: int, key: tuple) -> Plan | None:
+    def _switch(self, plan: Plan, k: int, key: tuple, fqn: str = "") -> Plan | None:
         """A cached plan whose first ``k`` ops and decisions equal ``plan``'s and whose
         op ``k`` is ``key`` (the same module called with another structure, e.g. under
-        another dispatch mode or with other shapes, already calibrated)."""
+        another dispatch mode or with other shapes, already calibrated); first the
+        module's own plans of a peak target (its structure-keyed plans are the floor)."""
         with self._lock:
-            for other in self._plans.values():
+            own = list(self._fqn_plans.get(fqn, {}).values())
+            for other in own + list(self._plans.values()):
                 if (other is not plan and len(other.signature) > k and other.signature[k] == key
                         and other.signature[:k] == plan.signature[:k] and other.decisions[:k] == plan.decisions[:k]):
                     return other
@@ -250,17 +302,33 @@ class MemoryBudget:
             self._recalibrate.add(fqn)
 
     def _adopt(self, fqn: str, problem: _Problem) -> Plan:
+        planner = self.peak_planner
         with self._lock:
             self._calibrations += 1
             plan = self._plans.get(problem.signature)
             if plan is None:
-                plan = problem.plan(self)
+                if planner is not None:  # the floor until a step is measured (Note [The peak model])
+                    plan = problem.make_plan(self, frozenset())
+                    planner.problems.setdefault(problem.signature, problem)
+                else:
+                    plan = problem.plan(self)
                 self._plans[problem.signature] = plan
                 self.plans_made += 1
+            own = self._fqn_plans.get(fqn, {}).get(problem.signature)
+            if own is not None:  # a peak target planned this module in this structure
+                plan = own
             self._by_fqn[fqn] = plan
             self._by_pattern[_fqn_pattern(fqn)] = plan
             self._recalibrate.discard(fqn)
             return plan
+
+    def _set_plans(self, plans: dict[str, Plan]) -> None:
+        """The plans the modules' next calls follow (a peak target's global plan)."""
+        with self._lock:
+            self._by_fqn.update(plans)
+            for fqn, plan in plans.items():
+                self._recalibrate.discard(fqn)
+                self._fqn_plans.setdefault(fqn, {})[plan.signature] = plan
 
     def _cost_model(self, device: torch.device) -> _CostModel:
         if self._cost is None or self._cost.device != device:
@@ -273,7 +341,13 @@ class MemoryBudget:
         return self._plan_for(module_fqn)[0]
 
     def format_plan(self, module_fqn: str | None = None) -> str:
-        """A table per planned module: op, output bytes, estimated cost, saved or not."""
+        """A table per planned module: op, output bytes, estimated cost, saved or not;
+        with a ``peak`` target first the target, the measured floor, the predicted and
+        the measured peak and the measured steps."""
+        head = self._planner.describe() + "\n\n" if self._planner is not None else ""
+        return head + self._format_plans(module_fqn)
+
+    def _format_plans(self, module_fqn: str | None) -> str:
         with self._lock:
             items = sorted(self._by_fqn.items()) if module_fqn is None else \
                 [(module_fqn, self._by_fqn.get(module_fqn))]
@@ -286,18 +360,29 @@ class MemoryBudget:
         return "\n\n".join(out) if out else "(no plans yet)"
 
     def __repr__(self) -> str:
-        what = f"fraction={self._fraction!r}" if self._fraction is not None else f"bytes={self._bytes!r}"
+        if self._fraction is not None:
+            what = f"fraction={self._fraction!r}"
+        elif self._bytes is not None:
+            what = f"bytes={self._bytes!r}"
+        else:
+            what = f"peak={self._peak_arg!r}" + (", strict=True" if self._strict else "")
         return f"MemoryBudget({what})"
 
     def __reduce__(self) -> tuple:
         # Plans hold ops and are rebuilt after loading (the first call calibrates again).
         if self._fraction is not None:
             return (MemoryBudget, (self._fraction,))
-        return (_budget_of_bytes, (self._bytes,))
+        if self._bytes is not None:
+            return (_budget_of_bytes, (self._bytes,))
+        return (_budget_of_peak, (self._peak_arg, self._strict))
 
 
 def _budget_of_bytes(nbytes: Any) -> MemoryBudget:
     return MemoryBudget(bytes=nbytes)
+
+
+def _budget_of_peak(peak: Any, strict: bool) -> MemoryBudget:
+    return MemoryBudget(peak=peak, strict=strict)
 
 
 def _fqn_pattern(fqn: str) -> str:
@@ -379,6 +464,7 @@ class Plan:
     recompute_seconds: float  # estimated cost of the plan's recompute
     recompute_flops: int
     rows: list[tuple[int, str, int, float, bool]] = field(default_factory=list)  # (call, op, bytes, cost, saved)
+    peak: Any = None  # the PeakPlanner of a peak target (memory.track reports its figures)
 
     def format(self, fqn: str = "") -> str:
         mib = 1 / 2**20
@@ -530,7 +616,45 @@ class _Problem:
             saved = everything
         else:
             saved = self.solve(limit)
+        return self.make_plan(budget, saved, limit)
+
+    def frontier(self) -> list[_Option]:
+        """Saved sets that are cheapest for their bytes, fewest bytes first (a peak
+        target's options for this structure: Note [The peak model] in _peak.py). Every
+        subset of the candidates up to ``_EXACT_UP_TO`` of them; else the greedy path
+        and each single candidate."""
+        cands = self.candidates
+        if len(cands) <= _EXACT_UP_TO:
+            sets = [frozenset(c for i, c in enumerate(cands) if mask >> i & 1) for mask in range(1 << len(cands))]
+        else:
+            sets = [frozenset()] + [chosen for chosen, _, _ in self._greedy_path()]
+            sets += [frozenset((c,)) for c in cands]
+        floor = self.evaluate(frozenset())[0]
+        points = []
+        for saved in sets:
+            held, seconds, recomputed = self.evaluate(saved)
+            flops = sum(self.records[s].flops for s in recomputed)
+            points.append(_Option(held - floor, seconds, flops, saved))
+        points.sort(key=lambda o: (o.dk, o.seconds, o.flops, len(o.saved)))
+        out: list[_Option] = []
+        for o in points:
+            if not out or o.seconds < out[-1].seconds - 1e-15:
+                out.append(o)
+        return out
+
+    def release(self) -> None:
+        """Drop the graph nodes and held outputs (the problem outlives its region)."""
+        for r in self.records.values():
+            r.node = None
+            r.held = None
+
+    def make_plan(self, budget: MemoryBudget, saved: frozenset[int], limit: int | None = None) -> Plan:
+        """The plan that saves ``saved`` (the candidates' seqs)."""
+        floor, _, _ = self.evaluate(frozenset())
         held, seconds, recomputed = self.evaluate(saved)
+        if limit is None:  # a peak target's share for this block
+            limit = held
+        top = max(self.evaluate(frozenset(self.candidates))[0], floor)
         by_call = {r.call: r for r in self.records.values() if r.call is not None}
         n_calls = len(self.signature)
         decisions = tuple(_PS if (k in by_call and by_call[k].seq in saved) else _PR for k in range(n_calls))
@@ -540,7 +664,8 @@ class _Problem:
             if r.seq in recomputed or r.seq in saved
         ]
         flops = sum(self.records[s].flops for s in recomputed)
-        return Plan(self.signature, decisions, limit, floor, top, held, seconds, flops, rows)
+        return Plan(self.signature, decisions, limit, floor, top, held, seconds, flops, rows,
+                    peak=budget._planner)
 
 
 class _BudgetRegion:
@@ -567,6 +692,8 @@ class _BudgetRegion:
         self.cost: _CostModel | None = None
         self.scopes: list[tuple[int, bool]] = []  # open FSDP profiler scopes: (handle key, FSDP's own ops)
         self.fsdp_own = False  # inside a scope of FSDP's own ops (Note [FSDP's own ops are not structure])
+        self.peak_call: Any = None  # (step, call index) of a peak target (_peak.py)
+        self.problem_signature: tuple | None = None  # the structure this region calibrated
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if (op is _SCOPE_ENTER or op is _SCOPE_EXIT) and self._fsdp_scope(op, args, ctx.op_output):
@@ -593,7 +720,7 @@ class _BudgetRegion:
         if k < len(plan.signature) and plan.signature[k] == key:
             decision = plan.decisions[k]
             return self._recorded(decision, key) if self.recording else decision
-        other = self.budget._switch(plan, k, key)
+        other = self.budget._switch(plan, k, key, self.fqn)
         if other is not None:  # another cached structure that agrees so far: follow it
             self.plan = other
             decision = other.decisions[k]
@@ -638,6 +765,9 @@ class _BudgetRegion:
         if graph is None:  # no grad: nothing is recorded
             return
         self.graph = graph
+        planner = self.budget._planner
+        if planner is not None:
+            planner.enter(self, graph)
         if self.plan is not None:
             if graph.tracker is not None:
                 graph.tracker._note_plan(self.fqn, self.plan)
@@ -668,7 +798,8 @@ class _BudgetRegion:
         # Note [A calibration keeps what its plan saves]: hold what a plan could save.
         frames = self.graph.frames
         held = out if (
-            call is not None and nbytes > 0 and node.saved is None and node.rng is None and not node.must_recompute
+            self.budget._planner is None  # a peak target's calibration is the floor (Note [The peak model])
+            and call is not None and nbytes > 0 and node.saved is None and node.rng is None and not node.must_recompute
             and not node.writes and node.via is None and frames and frames[-1].fn is self
         ) else None
         self.records.append(_Record(node.seq, call, func, node, nbytes, flops, seconds,
@@ -677,6 +808,14 @@ class _BudgetRegion:
     def region_exit(self, graph: Any, failed: bool) -> None:
         if self.graph is None:
             return
+        try:
+            self._region_exit(graph, failed)
+        finally:
+            planner = self.budget._planner
+            if planner is not None:
+                planner.exit(self)
+
+    def _region_exit(self, graph: Any, failed: bool) -> None:
         if self.observing:
             graph.observer = self.previous_observer
         plan = self.plan
@@ -711,6 +850,8 @@ class _BudgetRegion:
         problem = _Problem(self.records, targets, forced, written, tuple(self.signature))
         plan = self.budget._adopt(self.fqn, problem)
         self._keep_planned(graph, plan)
+        problem.release()
+        self.problem_signature = problem.signature
         self.records = []  # let the nodes and the held outputs go
         if graph.tracker is not None:
             graph.tracker._note_plan(self.fqn, plan)

@@ -364,6 +364,7 @@ class Tracker:
         # bytes ac2 holds are read from the live graphs when a forward ends.
         self._graph_refs: list[weakref.ref[Graph]] = []
         self._stats: list[GraphStats] = []
+        self._peak_planners: dict[str, Any] = {}  # fqn -> the PeakPlanner of a MemoryBudget(peak=...)
         self._trace: AllocationTrace | None = None
         self._hooks: list[Any] = []
         self._report = RankReport()
@@ -600,6 +601,8 @@ class Tracker:
         entry["budget_bytes"] = plan.budget_bytes
         entry["plan_saved_bytes"] = plan.saved_bytes
         entry["plan_recompute_us"] = round(plan.recompute_seconds * 1e6)
+        if getattr(plan, "peak", None) is not None:  # a peak target: its figures are read at exit
+            self._peak_planners[fqn] = plan.peak
 
     def _snapshot_saved(self) -> None:
         by_reason, by_module = _held_bytes(self.graphs, self._param_storages)
@@ -638,6 +641,13 @@ class Tracker:
             r.collectives_not_replayed += s.collectives
             for fqn, nbytes in s.recomputed_by_module.items():
                 r.per_module.setdefault(fqn, {"saved_bytes": 0, "recomputed_bytes": 0})["recomputed_bytes"] += nbytes
+        for fqn, planner in self._peak_planners.items():  # MemoryBudget(peak=...): target, predicted, measured
+            entry = r.per_module.setdefault(fqn, {"saved_bytes": 0, "recomputed_bytes": 0})
+            entry["peak_target_bytes"] = planner.target
+            if planner.predicted is not None:
+                entry["peak_predicted_bytes"] = planner.predicted
+            if planner.last_seen is not None:
+                entry["peak_measured_bytes"] = planner.last_seen
 
     def report(self) -> RankReport:
         """This rank's :class:`RankReport` (complete once the ``with`` block exited)."""
@@ -833,6 +843,10 @@ def format_table(reports: list[RankReport] | None) -> str:
                     cell += (f" (budget {_human_bytes(m['budget_bytes'])}, plan saves "
                              f"{_human_bytes(m['plan_saved_bytes'])}, est. recompute "
                              f"{m['plan_recompute_us'] / 1e3:.2f} ms)")
+                if "peak_target_bytes" in m:  # a MemoryBudget(peak=...): the step's figures
+                    cell += (f" [step peak target {_human_bytes(m['peak_target_bytes'])}, predicted "
+                             f"{_human_bytes(m.get('peak_predicted_bytes', 0)) if 'peak_predicted_bytes' in m else '-'}"
+                             f", measured {_human_bytes(m['peak_measured_bytes']) if 'peak_measured_bytes' in m else '-'}]")
                 cells.append(cell)
             lines.append(f"  {fqn or '(region)'}: " + " | ".join(cells))
     return "\n".join(lines)

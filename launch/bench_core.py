@@ -347,6 +347,139 @@ def budget_sweep(args: argparse.Namespace) -> dict:
     return {"modes": results, "vs_compile": comparisons, "at_torch_sac": at_sac}
 
 
+def _compile_curve(base: nn.Module, x: torch.Tensor, fractions: list[float]) -> dict[float, dict]:
+    """torch compile's memory-budget partitioner (Inductor) at ``fractions``: measured
+    peak, recompute FLOPs and the compiled model per fraction."""
+    out: dict[float, dict] = {}
+    flops = {f: _compiled_recompute_flops(base, x, f) for f in fractions}  # resets dynamo
+    no_ac_flops = measure_flops(copy.deepcopy(base), x)
+    torch._dynamo.reset()
+    for f in fractions:
+        compiled = torch.compile(copy.deepcopy(base), backend=_inductor_with_budget(f), fullgraph=True)
+        step(compiled, x)
+        out[f] = {"model": compiled, "peak_bytes": measure_memory(compiled, x)["peak_bytes"],
+                  "recompute_flops": flops[f] - no_ac_flops}
+    return out
+
+
+def peak_sweep(args: argparse.Namespace) -> dict:
+    """``MemoryBudget(peak=N)`` at targets from the floor (ac2 "recompute_all") to no-AC's
+    peak: per target the measured peak, recompute FLOPs and step time, beside torch full
+    AC, torch SAC and torch compile's ``activation_memory_budget`` at the same peaks."""
+    torch.manual_seed(0)
+    base = _gpt(args)
+    x = torch.randn(args.batch, args.seq, args.dim, requires_grad=True)
+    models = {m: checkpointed(base, m, (GPTBlock,)) for m in ("no-ac", "torch-full", "torch-sac", "ac2-full")}
+    results: dict[str, dict] = {}
+    no_ac_flops = measure_flops(models["no-ac"], x)
+    for m, model in models.items():
+        step(model, x)
+        results[m] = measure_memory(model, x)
+        results[m]["recompute_flops"] = measure_flops(model, x) - no_ac_flops
+    floor, top = results["ac2-full"]["peak_bytes"], results["no-ac"]["peak_bytes"]
+    n = args.peaks
+    targets = [floor + round(k * (top - floor) / (n - 1)) for k in range(n)]
+    budgets = {}
+    for t in targets:
+        name = f"ac2-peak-{t / 2**20:.2f}MiB"
+        budgets[name] = (t, ac.MemoryBudget(peak=t))
+        models[name] = ac.apply_ac(copy.deepcopy(base), budgets[name][1], modules=[GPTBlock])
+        steps = []
+        for _ in range(5):  # the planner measures, corrects, settles (Note [Verify, correct, stay put])
+            steps.append(measure_memory(models[name], x)["peak_bytes"])
+        r = results[name] = measure_memory(models[name], x)
+        r["target_bytes"] = t
+        r["peak_by_step"] = steps + [r["peak_bytes"]]
+        r["peak_vs_target"] = r["peak_bytes"] / t
+        r["max_step_vs_target"] = max(r["peak_by_step"]) / t
+        measure_flops(models[name], x)  # FlopCounterMode dispatches otherwise: calibrates that structure
+        r["recompute_flops"] = measure_flops(models[name], x) - no_ac_flops
+        r["plan"] = budgets[name][1].peak_planner.describe()
+    compile_fractions = [float(f) for f in args.compile_fractions.split(",")] if args.compile_fractions else []
+    curve = _compile_curve(base, x, compile_fractions) if compile_fractions else {}
+    for f, c in curve.items():
+        models[f"compile-budget-{f}"] = c.pop("model")
+    times = timed_rounds({m: functools.partial(step, model, x) for m, model in models.items()}, args.rounds,
+                         args.warmup)
+    for f, c in curve.items():
+        results[f"compile-budget-{f}"] = c
+    for m in models:
+        results[m]["step_seconds_median"] = statistics.median(times[m])
+        results[m]["step_seconds_all"] = times[m]
+    mib = 1 / 2**20
+    print(f"\n[peak sweep] {args.layers} GPT blocks, D={args.dim}, T={args.seq}, B={args.batch}: "
+          f"targets from ac2's floor ({floor * mib:.2f} MiB) to no-AC's peak ({top * mib:.2f} MiB)")
+    print(f"{'mode':<24} {'target MiB':>10} {'peak MiB':>9} {'peak/target':>11} {'max step/target':>15} "
+          f"{'recompute GFLOP':>16} {'step s':>8}")
+    for m, r in results.items():
+        target = f"{r['target_bytes'] * mib:10.2f}" if "target_bytes" in r else f"{'':>10}"
+        ratio = f"{r['peak_vs_target']:11.3f} {r['max_step_vs_target']:15.3f}" if "target_bytes" in r else \
+            f"{'':>11} {'':>15}"
+        print(f"{m:<24} {target} {r['peak_bytes'] * mib:9.2f} {ratio} {r['recompute_flops'] / 1e9:16.3f} "
+              f"{r['step_seconds_median']:8.3f}")
+    # Recompute FLOPs beside compile's at an equal measured peak: compile's cheapest point
+    # whose peak is at most ours.
+    vs_compile = {}
+    for name in budgets:
+        r = results[name]
+        fits = [c for c in curve.values() if c["peak_bytes"] <= r["peak_bytes"]]
+        if fits:
+            c = min(fits, key=lambda c: c["recompute_flops"])
+            vs_compile[name] = {"compile_peak_bytes": c["peak_bytes"], "compile_recompute_flops": c["recompute_flops"],
+                                "ratio": (r["recompute_flops"] / c["recompute_flops"]) if c["recompute_flops"] else None}
+            ratio = vs_compile[name]["ratio"]
+            print(f"{name}: recompute FLOPs vs compile's at a peak <= ours "
+                  f"({c['peak_bytes'] * mib:.2f} MiB): "
+                  + ("compile recomputes nothing" if ratio is None else f"{ratio:.3f}x"))
+        else:
+            vs_compile[name] = None
+            print(f"{name}: no compile point peaks at or below {r['peak_bytes'] * mib:.2f} MiB")
+    sac = results["torch-sac"]
+    at_sac = None
+    fast = [n_ for n_ in budgets if results[n_]["step_seconds_median"] <= sac["step_seconds_median"]]
+    if fast:
+        best = min(fast, key=lambda n_: results[n_]["peak_bytes"])
+        at_sac = {"point": best, "peak_vs_sac": results[best]["peak_bytes"] / sac["peak_bytes"],
+                  "step_vs_sac": ratio_stats(times[best], times["torch-sac"])}
+        st = at_sac["step_vs_sac"]
+        print(f"at torch SAC's step time: {best} peaks at {at_sac['peak_vs_sac']:.3f}x torch SAC's peak, "
+              f"step {st['median']:.3f}x ({st['min']:.3f}-{st['max']:.3f})")
+    else:
+        print("no target's step time is at or below torch SAC's")
+    if args.png:
+        _recompute_png(results, args.png)
+        print(f"wrote {args.png}")
+    return {"modes": results, "targets": targets, "vs_compile": vs_compile, "at_torch_sac_step_time": at_sac}
+
+
+def _recompute_png(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    series: dict[str, list[tuple[float, float]]] = {}
+    for m, r in results.items():
+        kind = "ac2 peak target" if m.startswith("ac2-peak") else "compile budget" if m.startswith("compile") else m
+        series.setdefault(kind, []).append((r["peak_bytes"] / 2**20, r["recompute_flops"] / 1e9))
+    style = {"ac2 peak target": ("o-", "tab:blue"), "compile budget": ("s--", "tab:orange")}
+    for kind, pts in series.items():
+        pts.sort()
+        fmt, color = style.get(kind, ("^", None))
+        ax.plot([p for p, _ in pts], [f for _, f in pts], fmt, color=color, label=kind)
+    for m, r in results.items():
+        if m.startswith("ac2-peak") and "target_bytes" in r:
+            ax.axvline(r["target_bytes"] / 2**20, color="tab:blue", alpha=0.15, lw=1)
+    ax.legend(fontsize=8)
+    ax.set_xlabel("measured peak of a step (MiB, allocator)")
+    ax.set_ylabel("recompute (GFLOP per step, backward minus no-AC's)")
+    ax.set_title("recompute vs measured peak (faint lines: ac2's targets)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 class _ScheduleLog:
     """A ``log`` callback: (event, block, resident bytes, resident blocks) at each event."""
 
@@ -557,7 +690,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--budgets", default="", help="run the MemoryBudget sweep at these fractions (gpt workload), "
                    "e.g. 0,0.25,0.5,0.75,1; with torch compile's activation_memory_budget beside it")
-    p.add_argument("--png", default=None, help="with --budgets: write the peak-vs-step-time plot here")
+    p.add_argument("--png", default=None, help="with --budgets: write the peak-vs-step-time plot here; with "
+                   "--peaks: the recompute-vs-peak plot")
+    p.add_argument("--peaks", type=int, default=0, help="run the MemoryBudget(peak=N) sweep at this many targets "
+                   "from ac2's floor to no-AC's peak (gpt workload), beside torch full AC / SAC and compile")
+    p.add_argument("--compile-fractions", default="0,0.1,0.25,0.5,0.75,1",
+                   help="with --peaks: compile's activation_memory_budget points ('' to skip compile)")
     p.add_argument("--offload-schedule", action="store_true",
                    help="run the CPU-offload schedule on the gpt workload (inline copies; order, lifetimes, pool)")
     p.add_argument("--offload-defers", default="1,2", help="with --offload-schedule: the defer values")
@@ -571,6 +709,11 @@ def main(argv: list[str] | None = None) -> dict:
           f"CPU threads={torch.get_num_threads()}, torch {torch.__version__}, {platform.machine()}")
     if args.offload_schedule:
         return write_json(args.json, {"config": vars(args), "offload_schedule": offload_schedule(args),
+                                      "torch": torch.__version__})
+    if args.peaks:
+        if args.peaks < 2:
+            p.error("--peaks needs at least 2 targets (the floor and no-AC's peak)")
+        return write_json(args.json, {"config": vars(args), "peak_sweep": peak_sweep(args),
                                       "torch": torch.__version__})
     if args.budgets:
         return write_json(args.json, {"config": vars(args), "budget_sweep": budget_sweep(args),

@@ -118,3 +118,31 @@ class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __getitem__(self, name: str) -> int:
         return self.counts.get(name, 0)
+
+
+def peak_from(model: nn.Module, first: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
+              seed: int = 0) -> tuple[int, list[torch.Tensor]]:
+    """One forward+backward: the peak allocated above what was allocated when ``first``
+    (the first checkpointed module) began its forward -- the scale of
+    ``MemoryBudget(peak=...)`` on CPU -- from the allocator's events, and the grads."""
+    from ac2_dist._alloc import AllocationTrace
+
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    marked: list[bool] = []
+
+    def mark(*_: object) -> None:
+        if not marked:
+            marked.append(True)
+            trace.mark("start")
+
+    hook = first.register_forward_pre_hook(mark)
+    try:
+        with AllocationTrace() as trace:
+            loss = loss_fn(model)
+            loss.backward()
+            del loss
+    finally:
+        hook.remove()
+    start = next(p for name, p in trace.segments if name == "start")
+    return start.peak_bytes - start.start_bytes, [p.grad for p in model.parameters()]

@@ -24,3 +24,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_profiler_session_left_running():
+    """A test that leaves a profiler session running (a memory tracker, a MemoryBudget's
+    measurement) breaks the memory figures of every later test in its worker: fail it."""
+    yield
+    if torch._C._autograd._profiler_enabled():
+        from ac2_dist._alloc import active_trace
+
+        trace = active_trace()
+        while trace is not None:  # stop it, so that the next test starts clean
+            trace.__exit__(None, None, None)
+            trace = active_trace()
+        pytest.fail("a profiler session was left running by this test")

@@ -1,0 +1,652 @@
+"""Fit the step in N bytes: ``MemoryBudget(peak=N)`` plans the saved sets of every block
+together so that the rank's measured peak stays at or below N (CONTRACT §11).
+
+    budget = ac.MemoryBudget(peak="70GiB")
+    ac.apply_ac(model, budget, modules=[Block])   # one instance: one budget for the model
+    print(budget.format_plan())
+
+Note [What a peak target bounds]
+    A *step* is one forward and the backward that consumes it: it begins when the
+    budget's first region of that forward enters and ends when that backward pass
+    completes. ``peak=N`` bounds the rank's peak allocated bytes during the step. On
+    CUDA, N is absolute (``memory_allocated()`` when the step began plus the peak above
+    it: the scale of ``torch.cuda.max_memory_allocated``); on CPU, where torch exposes
+    no allocated-bytes counter, N is the peak above what was allocated when the step
+    began (the scale of ``memory.track``'s peak). Everything the step allocates counts:
+    the blocks' saved and recomputed values, gradients, FSDP's unsharded parameters and
+    prefetches, the replay working set, the loss and its backward.
+
+Note [The peak model]
+    The first step runs every block at the floor (``"recompute_all"``: a calibration
+    that holds nothing, Note [A calibration keeps what its plan saves] in budget.py does
+    not apply) and is measured from the allocator (Note [One trace, two readers] in
+    _alloc.py), with plan marks where block k's region enters (``fwd:k``) and where its
+    graph is first unpacked or prefetched (``bwd:k``: its backward begins). Each mark
+    opens a *segment* that runs to the next mark; its measured peak above the step's
+    start is that segment's *base*. A plan that saves ``dk_j`` bytes above block j's
+    floor (``M_j(S_j) - M_j(floor)``, Note [What a budget bounds] in budget.py) adds
+    ``dk_j`` to every segment in which those values are alive, so
+
+        predicted(S) = max over segments s of  base_s + sum(dk_j for j in alive(s))
+
+    with ``alive(fwd:k) = alive(bwd:k) = {0..k}``: block k's own saves count in its
+    forward (they accumulate there) and in its backward (the floor recomputes its
+    values lazily, one chain per unpack, so at its backward's start the floor holds
+    fewer of them than a plan that saved them). Blocks later in the forward are alive
+    in fewer segments; the last block's saves are alive only in its own forward and
+    backward and in what runs between them (the head, the loss, its backward): saving
+    there costs the least peak. The bases hold everything that does not depend on the
+    plan (parameters, gradients, FSDP buffers and prefetches, the loss), measured, not
+    modelled. Block j's options are the Pareto frontier of (``dk``, estimated recompute
+    seconds) of its structure (:meth:`_Problem.frontier`, Note [Cost model] in
+    budget.py); :func:`_solve` picks one option per block minimizing the summed cost
+    subject to every segment's prediction <= N: a dynamic program over the blocks in
+    forward order, whose state is the running sum of ``dk`` (the constraints are prefix
+    sums, so the state is all they need; bytes are rounded up to 1/4096 of the target).
+
+Note [Verify, correct, stay put]
+    After each planned step the measured segment peaks are compared with the target.
+    Within the target and using at least ``_USE`` of it (or saving everything there is
+    to save): converged. Over the target: each segment's base is raised to what the
+    step implies (measured minus the plan's ``dk``) and the plan is solved again. Under
+    by more than ``1 - _USE``: the bases become what the step implies (a plan that
+    saves more from there is predicted conservatively: a save adds at most its bytes)
+    and the plan is solved again. After ``_TRIES`` planned steps the planner keeps the
+    cheapest plan whose measured peak was within the target (the floor if none was) and
+    stops measuring: it converges within three steps (floor, plan, corrected plan) and
+    the saved sets do not change afterwards. A step that cannot be measured (a profiler
+    session ac2 did not start is running, a forward ran without its backward, steps
+    overlapped as under pipeline schedules, a block ran twice in one step) changes
+    nothing; the planner stays at its current plan and says why in :meth:`describe`.
+
+Note [One plan on every rank]
+    A replay of a nested FSDP unit unshards it (a collective), so ranks whose plans
+    differ could issue collectives in different orders. Before using a measured step
+    the planner all-reduces (MAX) its figures over the default process group (at the
+    next step's first region, where every rank is): with equal targets and equal block
+    structures every rank then runs the same deterministic planner on the same numbers
+    and gets the same plan, which meets the target on the rank with the highest peak.
+    Ranks with different targets (a callable) or different block counts plan on their
+    own figures.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import warnings
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ._alloc import AllocationTrace, active_trace
+
+if TYPE_CHECKING:
+    from .budget import MemoryBudget, _Problem
+
+__all__ = ["parse_size"]
+
+_USE = 0.97  # a plan using less of the target than this is corrected (Note [Verify, correct, stay put])
+_TRIES = 2  # planned steps measured before the planner stays put
+_GRID = 4096  # the DP rounds bytes up to target / _GRID
+_HISTORY = 64
+_OVERLAP = ("forwards and backwards of several steps interleaved (microbatches in flight, as under a "
+            "pipeline schedule, or a forward without its backward)")  # measured steps describe() lists
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: Any, name: str = "peak") -> int:
+    """Bytes from an int (> 0) or a string such as ``"70GiB"``, ``"512MiB"``, ``"1.5 GB"``
+    (units B, KB/MB/GB/TB = powers of 1000, KiB/MiB/GiB/TiB = powers of 1024)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"ac2_dist.MemoryBudget: {name} must be an int (bytes) or a size string "
+                        f"such as '70GiB' or '512MiB', got {type(value).__name__} {value!r}")
+    if isinstance(value, int):
+        nbytes = value
+    else:
+        m = _SIZE.match(value)
+        unit = _UNITS.get(m.group(2).lower()) if m else None
+        if m is None or unit is None:
+            raise ValueError(f"ac2_dist.MemoryBudget: {name}={value!r} is not a size; write bytes as an int "
+                             f"or a number with a unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '70GiB')")
+        nbytes = int(float(m.group(1)) * unit)
+    if nbytes <= 0:
+        raise ValueError(f"ac2_dist.MemoryBudget: {name} must be > 0 bytes, got {value!r}")
+    return nbytes
+
+
+def _human(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class _Option:
+    """One saved set of a block structure: bytes above its floor and estimated cost."""
+
+    dk: int
+    seconds: float
+    flops: int
+    saved: frozenset
+
+
+@dataclass
+class _Call:
+    """One budget region of a step (a checkpointed block's call)."""
+
+    fqn: str
+    dk: int  # bytes its plan saves above its floor (0 at the floor)
+    signature: tuple | None = None  # its structure (known when it exits)
+
+
+@dataclass
+class _Step:
+    """One forward + backward as the planner measures it (Note [What a peak target bounds])."""
+
+    index: int
+    prefix: str  # of its plan marks: unique per planner and step
+    thread: int
+    base_abs: int  # allocated when it began (CUDA; 0 on CPU)
+    calls: list[_Call] = field(default_factory=list)
+    trace: AllocationTrace | None = None
+    own_trace: bool = False
+    backward: bool = False  # its backward began
+    ended: bool = False  # its backward completed
+    problem: str | None = None  # why it cannot be measured
+    peaks: dict[str, int] | None = None  # segment -> peak above the step's start
+
+    def mark(self, what: str) -> None:
+        if self.trace is not None:
+            AllocationTrace.plan_mark(self.prefix + what)
+
+    def names(self) -> list[str]:
+        out = []
+        for k in range(len(self.calls)):
+            out += [f"{self.prefix}fwd:{k}", f"{self.prefix}bwd:{k}"]
+        return out + [f"{self.prefix}end"]
+
+    def collect(self, trace: AllocationTrace) -> None:
+        """The trace that measured this step has exited: read its segments."""
+        spans = trace.spans(self.names())
+        start = spans.get(f"{self.prefix}fwd:0")
+        if start is None:
+            self.problem = self.problem or "its marks are missing from the allocation trace"
+            return
+        n = len(self.prefix)
+        self.peaks = {name[n:]: peak - start[0] for name, (_, peak) in spans.items() if not name.endswith("end")}
+        if not self.backward or not self.ended:
+            self.problem = self.problem or "its backward did not complete while it was traced"
+
+
+@dataclass
+class _Record:
+    """What one measured step showed (:meth:`PeakPlanner.describe`)."""
+
+    step: int
+    what: str
+    predicted: int | None
+    measured: int | None
+    note: str = ""
+
+
+class PeakPlanner:
+    """The global plan of one ``MemoryBudget(peak=...)`` (Notes above); owned by the budget."""
+
+    def __init__(self, budget: MemoryBudget, target: int) -> None:
+        self.budget = budget
+        self.target = target  # bytes on this rank (Note [What a peak target bounds])
+        self.lock = threading.RLock()
+        self.step: _Step | None = None
+        self.steps = 0
+        self.problems: dict[tuple, _Problem] = {}  # structure -> its calibration's problem
+        self._options: dict[tuple, list[_Option]] = {}
+        self.structure: list[_Call] | None = None  # the calls of the step the plan is for
+        self.choice: tuple[int, ...] | None = None  # option index per call (None: the floor)
+        self.bases: dict[str, int] | None = None
+        self.base_abs = 0
+        self.floor_peak: int | None = None  # measured peak of the first measured (floor) step
+        self.predicted: int | None = None
+        self.measured: int | None = None  # of the latest measured step the planner used
+        self.last_seen: int | None = None  # of the latest step traced on this rank (reports)
+        self.tried: list[tuple[float, tuple[int, ...] | None, int]] = []  # (cost, choice, measured)
+        self.state = "floor"  # floor -> planned -> settled
+        self.reason = ""  # why it settled (or stays at the floor)
+        self.history: list[_Record] = []
+        self._ready: list[_Step] = []
+        self._warned: set[str] = set()
+        self._error: str | None = None
+        self.plans_installed = 0
+
+    # ---- steps ------------------------------------------------------------------------
+    def before_region(self, fqn: str) -> None:
+        """A region of the budget is about to start (before its policy picks a plan)."""
+        if not torch.is_grad_enabled():  # records nothing: not part of a step
+            return
+        with self.lock:
+            if self._error is not None:
+                raise RuntimeError(self._error)
+            step = self.step
+            if step is not None:
+                if step.ended:
+                    self._close(step)
+                    step = None
+                elif not step.backward and any(c.fqn == fqn for c in step.calls):
+                    step.problem = step.problem or _OVERLAP
+                    self._close(step)
+                    step = None
+                elif step.backward:  # a forward while the step's backward is still running
+                    step.problem = step.problem or _OVERLAP
+                    return
+                else:
+                    return  # the step's next block
+            self._update()
+            if self._error is not None:
+                raise RuntimeError(self._error)
+            self._begin()
+
+    def _begin(self) -> None:
+        on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        index = self.steps
+        self.steps += 1
+        step = _Step(index, f"{id(self):x}:{index}:", threading.get_ident(),
+                     torch.cuda.memory_allocated() if on_cuda else 0)
+        trace = active_trace()
+        if trace is not None:  # Note [One trace, two readers]
+            step.trace = trace
+            trace.on_exit.append(partial(self._collect, step))
+        elif self.state != "settled":
+            if torch._C._autograd._profiler_enabled():
+                step.problem = "a profiler session ac2 did not start is running"
+            else:
+                trace = AllocationTrace("cuda" if on_cuda else "cpu")
+                trace.preempt = partial(self._preempt, step)
+                with _disable_current_modes():
+                    trace.__enter__()
+                trace.on_exit.append(partial(self._collect, step))
+                step.trace, step.own_trace = trace, True
+        self.step = step
+
+    def enter(self, region: Any, graph: Any) -> None:
+        """``region`` (a _BudgetRegion) entered with ``graph`` (its outermost region's)."""
+        if graph.frames and graph.frames[0].fn is not region:
+            self.close()
+            raise ValueError(
+                f"ac2_dist.MemoryBudget(peak=...): the module {region.fqn or '(region)'} runs inside another "
+                f"ac2 region; a peak target plans per outermost checkpointed module. Apply the budget to the "
+                f"outermost modules, or use MemoryBudget(fraction) / MemoryBudget(bytes=...) for nested ones")
+        with self.lock:
+            step = self.step
+            if step is None:
+                return
+            plan = region.plan
+            k = len(step.calls)
+            step.calls.append(_Call(region.fqn, plan.saved_bytes - plan.floor_bytes if plan is not None else 0,
+                                    plan.signature if plan is not None else None))
+            if any(c.fqn == region.fqn for c in step.calls[:-1]):
+                step.problem = step.problem or f"the module {region.fqn} ran twice in one step"
+            step.mark(f"fwd:{k}")
+        graph.on_backward = partial(self._backward, step, k)
+        region.peak_call = (step, k)
+
+    def exit(self, region: Any) -> None:
+        """``region`` exited: its structure is known now."""
+        where = getattr(region, "peak_call", None)
+        if where is None:
+            return
+        step, k = where
+        plan = region.plan
+        with self.lock:
+            call = step.calls[k]
+            if plan is not None and not region.diverged:
+                call.signature = plan.signature
+            elif region.problem_signature is not None:
+                call.signature = region.problem_signature
+            else:
+                step.problem = step.problem or f"the module {region.fqn} did not follow a plan to its end"
+
+    def _backward(self, step: _Step, k: int, graph: Any) -> None:
+        with self.lock:
+            current = self.step
+            if current is not None and current is not step:  # an earlier step's backward runs in this one
+                current.problem = current.problem or _OVERLAP
+            step.mark(f"bwd:{k}")
+            if step.backward:
+                return
+            step.backward = True
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(partial(self._end, step))
+        except RuntimeError:  # unpacked outside a backward pass
+            with self.lock:
+                step.problem = step.problem or "its saved values were read outside a backward pass"
+
+    def _collect(self, step: _Step, trace: AllocationTrace) -> None:
+        step.collect(trace)
+        if step.peaks and step.problem is None:
+            self.last_seen = max(step.peaks.values()) + step.base_abs
+
+    def _end(self, step: _Step) -> None:
+        with self.lock:
+            step.mark("end")
+            step.ended = True
+
+    def _close(self, step: _Step) -> None:
+        """Stop the step's own trace (its figures arrive through ``on_exit``; Note [One
+        trace, two readers] in _alloc.py) and queue the step for :meth:`_update`."""
+        self._stop(step)
+        if self.step is step:
+            self.step = None
+        self._ready.append(step)
+
+    def _stop(self, step: _Step) -> None:
+        if step.own_trace and step.trace is not None:
+            trace, step.trace = step.trace, None
+            trace.preempt = None
+            with _disable_current_modes():
+                trace.__exit__(None, None, None)
+
+    def close(self) -> None:
+        """Stop measuring the open step (its trace stops; the step is not used)."""
+        with self.lock:
+            step = self.step
+            if step is not None:
+                step.problem = step.problem or "measuring was stopped (MemoryBudget.close)"
+                self._stop(step)
+                self.step = None
+
+    def _preempt(self, step: _Step) -> None:
+        """Another trace starts while the step's own one runs: stop ours now."""
+        with self.lock:
+            self._stop(step)
+
+    # ---- measured steps -----------------------------------------------------------------
+    def _update(self) -> None:
+        """Use the steps measured since the last call (Note [Verify, correct, stay put])."""
+        ready, self._ready = self._ready, []
+        for step in ready:
+            if step.trace is not None and not step.own_trace and step.peaks is None and step.problem is None:
+                self._ready.append(step)  # someone else's trace still runs: read it later
+                continue
+            self._use(step)
+
+    def _use(self, step: _Step) -> None:
+        peaks = step.peaks
+        problem = step.problem
+        if self.state == "settled":  # measured for the reports only: no collective, no change
+            if peaks is not None and problem is None:
+                self.measured = max(peaks.values()) + step.base_abs
+                self._remember(_Record(step.index, self._describe_choice(), self.predicted, self.measured,
+                                       "over the target" if self.measured > self.target else ""))
+            return
+        if peaks is None and problem is None:
+            problem = "it was not traced"
+        segments = [f"{kind}:{k}" for k in range(len(step.calls)) for kind in ("fwd", "bwd")]
+        if problem is None:
+            problem = _missing(segments, peaks)
+        # Note [One plan on every rank]: the same figures on every rank.
+        values = [0 if problem is None else 1, len(step.calls), self.target, -self.target]
+        values += [peaks.get(s, -1) if peaks else -1 for s in segments]
+        values += [step.base_abs]
+        values = _all_max(values)
+        if values[0] and problem is None:
+            problem = "another rank could not measure it"
+        if values[1] == len(step.calls) and values[2] == -values[3] and peaks:
+            peaks = {s: values[4 + i] for i, s in enumerate(segments)}
+            step.base_abs = values[-1]
+        if problem is not None:
+            self._remember(_Record(step.index, self._describe_choice(), self.predicted, None, problem))
+            if self.state != "settled":
+                self._warn_once("unmeasured", f"step {step.index + 1} could not be measured ({problem}); the plan "
+                                              f"stays as it is ({self._describe_choice()}) until a step can be")
+            return
+        measured = max(peaks.values()) + step.base_abs
+        self.measured = measured
+        self.base_abs = step.base_abs
+        target = self.target
+        dks = [c.dk for c in step.calls]
+        implied = {s: peaks[s] - sum(dks[:int(s.split(":")[1]) + 1]) for s in segments}
+        choice = self.choice
+        self._remember(_Record(step.index, self._describe_choice(), self.predicted, measured,
+                               "over the target" if measured > target else ""))
+        if self.state == "floor":
+            self.floor_peak = measured
+            self.structure = list(step.calls)
+            self.bases = implied
+            if measured > target:
+                self._infeasible(measured)
+                return
+            self.state = "planned"
+            self._plan()
+            if self.choice is None:
+                self._settle("the floor is the only plan within the target")
+            return
+        cost = self._cost(choice)
+        if measured <= target:
+            self.tried.append((cost, choice, measured))
+        if measured <= target and (measured >= _USE * target or self._is_top(choice)):
+            self._settle("the measured peak is within the target" + (
+                "" if measured >= _USE * target else " (every block saves all it can)"))
+            return
+        if len(self.history_planned()) >= _TRIES:
+            best = min(self.tried, key=lambda t: t[0]) if self.tried else (0.0, None, 0)
+            if best[1] != choice:
+                self._install(best[1])
+            self._settle(f"after {_TRIES} planned steps: the cheapest plan measured within the target"
+                         if self.tried else f"after {_TRIES} planned steps no plan was within the target: the floor")
+            return
+        if measured > target:
+            self.bases = {s: max(self.bases.get(s, implied[s]), implied[s]) for s in segments}
+        else:
+            self.bases = implied
+        self.structure = list(step.calls)
+        before = self.choice
+        self._plan()
+        if self.choice == before:
+            self._settle("a corrected plan equals the measured one")
+
+    def _remember(self, record: _Record) -> None:
+        self.history.append(record)
+        if len(self.history) > _HISTORY:
+            del self.history[1:2]  # keep the floor step and the latest ones
+
+    def history_planned(self) -> list[_Record]:
+        return [r for r in self.history if r.what != "floor" and r.measured is not None]
+
+    def _settle(self, reason: str) -> None:
+        self.state = "settled"
+        self.reason = reason
+
+    def _infeasible(self, floor: int) -> None:
+        self.state = "settled"
+        self.reason = "the target is below the measured floor"
+        msg = (f"ac2_dist.MemoryBudget(peak={_human(self.target)}): the measured peak of a step at the floor "
+               f"(\"recompute_all\" in every block) is {_human(floor)} ({floor} bytes) on this rank, above the target "
+               f"of {self.target} bytes. To fit: raise the target to at least {floor} bytes, shard more (FSDP), "
+               f"lower the batch size or sequence length, or offload saved values to CPU (ac2_dist.Offload)")
+        if self.budget._strict:
+            self._error = msg + ". (strict=True: stopping here.)"
+            return
+        self._warn_once("infeasible", msg + "; running at the floor (pass strict=True to make this an error)")
+
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+    # ---- planning -----------------------------------------------------------------------
+    def options(self, signature: tuple) -> list[_Option]:
+        """The Pareto frontier of a block structure's saved sets (Note [The peak model])."""
+        opts = self._options.get(signature)
+        if opts is None:
+            opts = self._options[signature] = self.problems[signature].frontier()
+        return opts
+
+    def _plan(self) -> None:
+        calls = self.structure or []
+        if not calls or any(c.signature not in self.problems for c in calls):
+            self.choice = None
+            self._install(None)
+            return
+        options = [self.options(c.signature) for c in calls]
+        choice = _solve(options, self.bases or {}, self.target - self.base_abs)
+        if choice is not None and all(i == 0 for i in choice):
+            choice = None
+        self._install(choice)
+
+    def _install(self, choice: tuple[int, ...] | None) -> None:
+        """Make ``choice`` the plan every block's next call follows."""
+        self.choice = choice
+        calls = self.structure or []
+        plans = {}
+        for k, c in enumerate(calls):
+            if c.signature is None or c.signature not in self.problems:
+                continue
+            opt = self.options(c.signature)[choice[k] if choice is not None else 0]
+            plans[c.fqn] = self.problems[c.signature].make_plan(self.budget, opt.saved)
+        self.budget._set_plans(plans)
+        self.predicted = self._predict(choice)
+        self.plans_installed += 1
+
+    def _dks(self, choice: tuple[int, ...] | None) -> list[int]:
+        calls = self.structure or []
+        if choice is None:
+            return [0] * len(calls)
+        return [self.options(c.signature)[i].dk for c, i in zip(calls, choice)]
+
+    def _predict(self, choice: tuple[int, ...] | None) -> int | None:
+        if self.bases is None:
+            return None
+        dks = self._dks(choice)
+        return self.base_abs + max(
+            base + sum(dks[:int(s.split(":")[1]) + 1]) for s, base in self.bases.items())
+
+    def _cost(self, choice: tuple[int, ...] | None) -> float:
+        if choice is None:
+            return sum(self.options(c.signature)[0].seconds for c in self.structure or [])
+        return sum(self.options(c.signature)[i].seconds for c, i in zip(self.structure or [], choice))
+
+    def _is_top(self, choice: tuple[int, ...] | None) -> bool:
+        calls = self.structure or []
+        if choice is None:
+            return all(len(self.options(c.signature)) == 1 for c in calls)
+        return all(i == len(self.options(c.signature)) - 1 for c, i in zip(calls, choice))
+
+    def recompute(self) -> tuple[float, int]:
+        """(estimated seconds, FLOPs) the current plan recomputes per step."""
+        calls = self.structure or []
+        if not calls:
+            return 0.0, 0
+        idx = self.choice or (0,) * len(calls)
+        opts = [self.options(c.signature)[i] for c, i in zip(calls, idx)]
+        return sum(o.seconds for o in opts), sum(o.flops for o in opts)
+
+    # ---- what the user sees -------------------------------------------------------------
+    def _describe_choice(self) -> str:
+        if self.choice is None:
+            return "floor"
+        return f"saves {_human(sum(self._dks(self.choice)))} above the floor"
+
+    def describe(self) -> str:
+        """Target, floor, predicted and measured peak, and the history of measured steps."""
+        with self.lock:
+            state = {"floor": "measuring the floor" if not self.history else "at the floor",
+                     "planned": "verifying its plan", "settled": f"settled: {self.reason}"}[self.state]
+            seconds, flops = self.recompute()
+            lines = [
+                f"peak target {_human(self.target)} ({self.target} bytes) on this rank; {state}",
+                f"  floor (measured) {_opt_human(self.floor_peak)}; predicted {_opt_human(self.predicted)}; "
+                f"measured {_opt_human(self.measured)}; plan {self._describe_choice()}, estimated recompute "
+                f"{seconds * 1e3:.3f} ms ({flops / 1e6:.1f} MFLOP) per step",
+            ]
+            if self.history:
+                lines.append(f"  {'step':>5}  {'plan':<36} {'predicted':>12} {'measured':>12}  note")
+                for r in self.history:
+                    lines.append(f"  {r.step + 1:>5}  {r.what:<36} {_opt_human(r.predicted):>12} "
+                                 f"{_opt_human(r.measured):>12}  {r.note}")
+            return "\n".join(lines)
+
+
+def _opt_human(n: int | None) -> str:
+    return "-" if n is None else _human(n)
+
+
+def _missing(segments: list[str], peaks: dict[str, int] | None) -> str | None:
+    if not peaks or f"fwd:{len(segments) // 2 - 1}" not in peaks:
+        return "its marks are missing from the allocation trace"
+    return None
+
+
+def _solve(options: list[list[_Option]], bases: dict[str, int], target: int) -> tuple[int, ...] | None:
+    """One option per block, least summed cost, every segment's prediction
+    ``base_s + sum(dk_j, j <= k)`` <= ``target`` (Note [The peak model]); ``None`` if
+    even the options with the fewest bytes do not fit."""
+    n = len(options)
+    caps = []
+    for k in range(n):
+        here = [bases[s] for s in (f"fwd:{k}", f"bwd:{k}") if s in bases]
+        caps.append(target - max(here) if here else math.inf)
+    q = max(1, math.ceil(max(target, 1) / _GRID))
+    # state: rounded prefix sum -> (cost, flops, choices as a linked list)
+    states: dict[int, tuple[float, int, Any]] = {0: (0.0, 0, None)}
+    for k, opts in enumerate(options):
+        cap = caps[k] / q
+        nxt: dict[int, tuple[float, int, Any]] = {}
+        for s, (cost, flops, back) in states.items():
+            for i, o in enumerate(opts):
+                s2 = s + -(-o.dk // q)
+                if s2 > cap:
+                    break  # options are sorted by dk
+                key = (cost + o.seconds, flops + o.flops)
+                cur = nxt.get(s2)
+                if cur is None or key < cur[:2]:
+                    nxt[s2] = (key[0], key[1], (i, back))
+        if not nxt:
+            return None
+        # Keep the Pareto states: a larger sum only if cheaper (a smaller sum meets
+        # every later constraint that a larger one meets).
+        states = {}
+        best = math.inf
+        for s in sorted(nxt):
+            c = nxt[s]
+            if c[0] < best - 1e-15:
+                states[s] = c
+                best = c[0]
+    _, _, back = min(states.values(), key=lambda c: (c[0], c[1]))
+    picked = []
+    while back is not None:
+        picked.append(back[0])
+        back = back[1]
+    return tuple(reversed(picked))
+
+
+def _all_max(values: list[int]) -> list[int]:
+    """Element-wise MAX over the default process group (Note [One plan on every rank])."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend()):
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _disable_current_modes(), torch.no_grad():
+        head = torch.tensor([len(values)], dtype=torch.int64, device=device)
+        dist.all_reduce(head, op=dist.ReduceOp.MAX)
+        longest = int(head.item())
+        padded = values + [-(2**62)] * (longest - len(values))
+        t = torch.tensor(padded, dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out = t.tolist()
+    if longest != len(values):  # structures differ between ranks: plan on our own figures
+        return [out[0]] + values[1:]
+    return out
+
