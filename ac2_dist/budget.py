@@ -3,6 +3,7 @@
     ac.apply_ac(model, ac.MemoryBudget(0.5), modules=[Block])       # a fraction
     ac.apply_ac(model, ac.MemoryBudget(bytes=64 << 20), modules=[Block])
     ac.apply_ac(model, ac.MemoryBudget(lambda rank: 0.25 if rank == 0 else 0.75), modules=[Block])
+    ac.apply_ac(model, ac.MemoryBudget(peak="70GiB"), modules=[Block])  # the step's peak (_peak.py)
 
 Note [What a budget bounds]
     Per region, with S the set of op outputs the plan saves: ``M(S)`` is the bytes of
@@ -55,8 +56,9 @@ Note [Identical blocks share the first step]
 
 Note [Cost model]
     The recompute cost of an op is a roofline estimate: ``max(flops / F, bytes / W)``
-    seconds, FLOPs from ``torch.utils.flop_counter``'s registry (0 for ops it does not
-    know: they are costed by their bytes), bytes the op's tensor inputs and outputs,
+    seconds, FLOPs from ``torch.utils.flop_counter``'s registry (or an op of the same
+    arithmetic's formula, :data:`_FLOP_ALIASES`: CPU flash attention has none of its own;
+    0 for ops it does not know: they are costed by their bytes), bytes the op's tensor inputs and outputs,
     and ``F`` / ``W`` fixed rates per device type (:data:`_NOMINAL_RATES`), not timed
     in the process: the same budget and shapes give the same plan on every rank (a
     replay that unshards a nested FSDP unit issues a collective, so plans that differ
@@ -254,7 +256,7 @@ class MemoryBudget:
         """The policy of one region (one call of a checkpointed module); called by ac2."""
         planner = self.peak_planner
         if planner is not None:
-            planner.before_region(module_fqn)
+            module_fqn = planner.before_region(module_fqn)
         return _BudgetRegion(self, module_fqn)
 
     def _plan_for(self, fqn: str) -> tuple[Plan | None, bool]:
@@ -410,7 +412,7 @@ class _CostModel:
         """(FLOPs, estimated seconds) of one op call."""
         flops = 0
         packet = getattr(func, "_overloadpacket", None)
-        formula = flop_registry.get(packet) if packet is not None else None
+        formula = flop_registry.get(_FLOP_ALIASES.get(packet, packet)) if packet is not None else None
         if formula is not None:
             try:
                 flops = int(formula(*args, **kwargs, out_val=out))
@@ -419,6 +421,12 @@ class _CostModel:
         moved = _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
         return flops, max(flops / self.flops_per_s, moved / self.bytes_per_s)
 
+
+#: Ops the FLOP registry has no formula for, costed with the formula of an op that does
+#: the same arithmetic (CPU flash attention: the CUDA kernel's; same q/k/v arguments first).
+_FLOP_ALIASES = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: torch.ops.aten._scaled_dot_product_flash_attention,
+}
 
 #: FLOP/s and bytes/s per device type (Note [Cost model]). CPU: measured on the
 #: development machine (2 cores, fp32: 2.2-2.5e11 FLOP/s for a 256^3 matmul, 4.9-6.1e10 B/s

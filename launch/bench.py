@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_core import PAIRS, backward_flops, ratio_stats, timed_rounds  # noqa: E402
+from bench_core import PAIRS, plain_flops_of, ratio_stats, timed_rounds  # noqa: E402
 from models import Llama  # noqa: E402
 from train import (  # noqa: E402
     AC_MODES,
@@ -75,8 +75,10 @@ def _loss(model, x, y):
 
 
 def _measure_mode(model, x, y, compiled: bool) -> dict:
-    """Memory, collectives and FLOPs of one mode's model (one tracked step). Compiled
-    kernels do not dispatch through FlopCounterMode: no FLOPs for compiled modes."""
+    """Memory, collectives and FLOPs of one mode's model (one tracked step). FLOPs are
+    counted by a mode that dispatches every op unchanged (bench_core._PlainFlops: a
+    decomposing counter would show ac2 another block structure); compiled kernels do not
+    dispatch through Python modes: no FLOPs for compiled modes."""
     model.zero_grad(set_to_none=True)
     with ac.memory.track(model) as tracker:
         loss = _loss(model, x, y)
@@ -85,7 +87,7 @@ def _measure_mode(model, x, y, compiled: bool) -> dict:
     report = tracker.report()
     collectives = _collectives_in_backward(model, x, y)
     model.zero_grad(set_to_none=True)
-    flops = None if compiled else backward_flops(lambda: _loss(model, x, y))
+    flops = None if compiled else plain_flops_of(lambda: _loss(model, x, y))
     return {
         "peak_bytes_forward": report.peak_bytes_forward,
         "peak_bytes_backward": report.peak_bytes_backward,
@@ -126,8 +128,11 @@ def _markdown(results: list[dict], modes: list[str], args) -> str:
     for mode in modes:
         for rank, res in enumerate(results):
             r = res["modes"][mode]
+            name = mode
+            if "target_bytes" in r:  # a peak target: its step peak over the target (memory.track's scale)
+                name = f"ac2 peak {r['target_bytes'] * mib:.1f} MiB ({r['peak_vs_target']:.3f}x)"
             lines.append(
-                f"| {mode} | {rank} | {r['peak_bytes_forward'] * mib:.1f} | {r['peak_bytes_backward'] * mib:.1f} | "
+                f"| {name} | {rank} | {r['peak_bytes_forward'] * mib:.1f} | {r['peak_bytes_backward'] * mib:.1f} | "
                 f"{r['kept_after_forward_bytes'] * mib:.1f} | {_gflop(r['backward_flops'])} | "
                 f"{r['step_seconds_median']:.3f} | {r['collectives_backward']} | {r['allgathers_backward']} |"
             )
@@ -162,7 +167,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--png", action="store_true", help="also write bench.png (ac2 modes' reports)")
     p.add_argument("--compile", action="store_true", help="torch.compile every block of every mode")
     p.add_argument("--budgets", default="", help="also ac2_dist.MemoryBudget modes at these fractions, e.g. 0,0.5,1")
+    p.add_argument("--peaks", type=int, default=0, help="also MemoryBudget(peak=N) modes at this many targets from "
+                   "ac2 full's peak to no AC's (measured first, the larger rank's figure)")
     args = p.parse_args(argv)
+    if args.peaks == 1:
+        p.error("--peaks needs at least 2 targets (the floor and no AC's peak)")
     device = init_distributed()
     clean, mesh = False, None
     try:
@@ -171,6 +180,23 @@ def main(argv: list[str] | None = None) -> None:
         clean = True
     finally:
         shutdown_distributed(clean, mesh)  # Note [Shutdown order] in train.py
+
+
+def _peak_modes(args, mesh, device, x, y) -> list[str]:
+    """``ac2-peak-<bytes>`` modes: targets evenly from ac2 full's step peak to no AC's
+    (``memory.track``'s figures, the larger over the ranks: one target for every rank)."""
+    peaks = []
+    for mode in ("ac2-full", "none"):
+        model = _build(args, mode, mesh, device)
+        _step(model, x, y)
+        r = _measure_mode(model, x, y, compiled=True)  # FLOPs are not needed here
+        peaks.append(max(r["peak_bytes_forward"], r["peak_bytes_backward"]))
+        del model
+    t = torch.tensor(peaks, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    floor, top = t.tolist()
+    n = args.peaks
+    return [f"ac2-peak-{floor + round(k * (top - floor) / (n - 1))}" for k in range(n)]
 
 
 def bench(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> None:
@@ -182,11 +208,21 @@ def bench(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> N
     rank = dist.get_rank()
     data = batches(corpus(), args.batch, args.seq, args.seed, rank)
     x, y = (t.to(device) for t in next(data))
+    if args.peaks:
+        modes += _peak_modes(args, mesh, device, x, y)
     models = {mode: _build(args, mode, mesh, device) for mode in modes}
     mine = {"rank": rank, "device": device.type, "modes": {}}
     for mode in modes:
-        _step(models[mode], x, y)  # lazy init, first all-gathers; a MemoryBudget calibrates
+        # Lazy init, first all-gathers; a MemoryBudget calibrates; a peak target measures,
+        # corrects and settles (Note [Verify, correct, stay put] in ac2_dist/_peak.py).
+        for _ in range(4 if mode.startswith("ac2-peak-") else 1):
+            _step(models[mode], x, y)
         mine["modes"][mode] = _measure_mode(models[mode], x, y, args.compile)
+        if mode.startswith("ac2-peak-"):
+            target = int(mode[len("ac2-peak-"):])
+            r = mine["modes"][mode]
+            r["target_bytes"] = target
+            r["peak_vs_target"] = max(r["peak_bytes_forward"], r["peak_bytes_backward"]) / target
 
     def sync() -> None:
         if device.type == "cuda":

@@ -71,9 +71,12 @@ def batches(data: torch.Tensor, batch: int, seq: int, seed: int, rank: int):
 
 
 def apply_checkpointing(model: Llama, mode: str) -> None:
-    """``mode``: one of AC_MODES, or ``ac2-budget-<fraction>`` (an ac2_dist.MemoryBudget)."""
+    """``mode``: one of AC_MODES, ``ac2-budget-<fraction>`` (an ac2_dist.MemoryBudget) or
+    ``ac2-peak-<bytes>`` (a MemoryBudget with that peak target)."""
     if mode.startswith("ac2-budget-"):
         ac.apply_ac(model, ac.MemoryBudget(float(mode[len("ac2-budget-"):])), modules=[LlamaBlock])
+    elif mode.startswith("ac2-peak-"):
+        ac.apply_ac(model, ac.MemoryBudget(peak=int(mode[len("ac2-peak-"):])), modules=[LlamaBlock])
     elif mode in ("ac2-full", "ac2-sac"):
         ac.apply_ac(model, "recompute_all" if mode == "ac2-full" else SAVE_OPS, modules=[LlamaBlock])
     elif mode in ("torch-full", "torch-sac"):

@@ -125,3 +125,40 @@ def test_bench_core_budget_sweep(tmp_path):
     assert modes["ac2-budget-0.0"]["predicted_recompute_s"] > 0
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_core_peak_sweep(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import bench_core
+
+    png = os.path.join(tmp_path, "peaks.png")
+    out = bench_core.main(["--layers", "2", "--dim", "32", "--heads", "4", "--seq", "32", "--batch", "2",
+                           "--rounds", "1", "--warmup", "0", "--peaks", "3", "--compile-fractions", "",
+                           "--png", png])["peak_sweep"]
+    modes = out["modes"]
+    peaks = [m for m in modes if m.startswith("ac2-peak-")]
+    assert len(peaks) == 3 and out["targets"] == sorted(out["targets"])
+    for m in peaks:  # the bench's own reading of every step, the first included
+        assert modes[m]["max_step_vs_target"] <= 1.02, (m, modes[m]["plan"])
+    flops = [modes[m]["recompute_flops"] for m in peaks]
+    assert flops == sorted(flops, reverse=True) and flops[0] > flops[-1]
+    assert modes["ac2-full"]["recompute_flops"] == modes["torch-full"]["recompute_flops"] > 0
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_bench_py_peak_targets(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "launch", "bench.py"), "--layers", "2", "--dim", "32", "--seq", "64",
+           "--batch", "4", "--iters", "1", "--warmup", "0", "--modes", "none,ac2-full", "--peaks", "2",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.load(open(os.path.join(tmp_path, "bench.json")))
+    for rank in data["ranks"]:
+        peaks = {m: r for m, r in rank["modes"].items() if m.startswith("ac2-peak-")}
+        assert len(peaks) == 2
+        for r in peaks.values():
+            assert r["target_bytes"] > 0 and 0 < r["peak_vs_target"]
+    assert "ac2 peak" in open(os.path.join(tmp_path, "bench.md")).read()

@@ -165,6 +165,42 @@ def test_the_plan_survives_a_step_in_another_structure():
     assert peak <= (3 << 20) * TOLERANCE and peak >= 0.85 * (3 << 20)
 
 
+def test_drop_in_checkpoint_calls_are_planned_by_position():
+    """ac.checkpoint(fn) regions have no module name: each call of a step is its own slot."""
+    base, block, loss_fn, first = _gpt()
+    eager_peak = _measured(copy.deepcopy(base), first, loss_fn, 2)[-1][0]
+    x = torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    budget = ac.MemoryBudget(peak=eager_peak * 3 // 4)
+
+    def dropin(m):
+        h = x
+        for blk in m.blocks:
+            h = ac.checkpoint(blk, h, policy=budget)
+        return h.square().mean()
+
+    def plain(m):
+        h = x
+        for blk in m.blocks:
+            h = blk(h)
+        return h.square().mean()
+
+    model = copy.deepcopy(base)
+    reference = copy.deepcopy(base)
+    _, want = peak_from(reference, reference.blocks[0], plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        peaks = []
+        for _ in range(STEPS):
+            peak, grads = peak_from(model, model.blocks[0], dropin)
+            assert_bitwise(want, grads)
+            peaks.append(peak)
+    planner = budget.peak_planner
+    assert planner.state == "settled" and planner.choice is not None, planner.describe()
+    assert all(p <= budget.peak_planner.target * TOLERANCE for p in peaks), (peaks, planner.describe())
+    assert sorted(c.fqn for c in planner.structure) == ["", "[1]", "[2]", "[3]"]
+
+
 def test_microbatches_in_flight_are_not_measured_and_say_so():
     """Under a pipeline schedule several forwards run before their backwards: no step of
     the planner's can be measured, so it stays at the floor and warns once (README)."""
@@ -248,9 +284,10 @@ def test_pickles_and_refuses_nesting():
 # ---- 2 FSDP2 ranks ------------------------------------------------------------------------
 
 
-def _fsdp_run(rank, world, fractions):
+def _dist_run(rank, world, kind, fractions):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
 
     mesh = init_device_mesh("cpu", (world,))
     # Activations dominate (dim 32, 1024 tokens per rank): FSDP's own buffers, freed when
@@ -265,15 +302,22 @@ def _fsdp_run(rank, world, fractions):
         model = Llama(vocab=64, dim=32, layers=4, heads=4, max_seq=128)
         if policy is not None:
             ac.apply_ac(model, policy, modules=[LlamaBlock])
+        if kind == "ddp":
+            return DistributedDataParallel(model)
         for blk in model.layers:
+            if kind == "fsdp-nested":  # the block's attention and MLP are units of their own
+                fully_shard(blk.attention, mesh=mesh)
+                fully_shard(blk.feed_forward, mesh=mesh)
             fully_shard(blk, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
 
     def local(grads):
-        return [g.to_local().clone() for g in grads]
+        return [g.to_local().clone() if hasattr(g, "to_local") else g.clone() for g in grads]
 
-    first = lambda m: m.layers[0]  # noqa: E731
+    def first(m):
+        return (m.module if kind == "ddp" else m).layers[0]
+
     eager = _measured(build(None), first, loss_fn, 4)
     want = local(eager[-1][1])
     floor = _measured(build("recompute_all"), first, loss_fn, 4)
@@ -300,8 +344,11 @@ def _fsdp_run(rank, world, fractions):
     return out
 
 
-def test_peak_target_on_two_fsdp2_ranks_same_plan_on_every_rank():
-    results = run_ranks(_fsdp_run, FRACTIONS, timeout=600)
+@pytest.mark.parametrize("kind,fractions", [("fsdp", FRACTIONS), ("fsdp-nested", (0.0, 0.5, 1.0)),
+                                            ("ddp", (0.0, 0.5, 1.0))])
+def test_peak_target_on_two_ranks_same_plan_on_every_rank(kind, fractions):
+    """FSDP2 per-block units, FSDP2 units nested in the blocks, DDP: 2 gloo ranks."""
+    results = run_ranks(_dist_run, kind, fractions, timeout=600)
     for rank, out in enumerate(results):
         assert out["floor_peak"] < out["eager_peak"]
         assert out["spread"] <= 0.05 * out["floor_peak"], out  # the slack below stays small
