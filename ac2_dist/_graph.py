@@ -572,8 +572,9 @@ class Graph:
         # Called as observer(node, op, args, kwargs, out) for every recorded op while set
         # (a calibrating ac2_dist.MemoryBudget region; budget.py).
         self.observer: Any = None
-        # Called once as on_backward(graph) by the first unpack or prefetch (a
-        # MemoryBudget(peak=...) marks where this unit's backward begins; _peak.py).
+        # Called once as on_backward(graph) by the first unpack, not by a prefetch (a
+        # MemoryBudget(peak=...) marks where this unit's backward begins; a prefetched
+        # replay runs during the next unit's backward and belongs to its span; _peak.py).
         self.on_backward: Any = None
         self.rng_chains: list[RngChain] = []  # every chain (rewound at a new epoch)
         self.open_chains: dict[int, RngChain] = {}  # id(generator) -> chain open in forward
@@ -1093,8 +1094,6 @@ class Graph:
         task = torch._C._current_graph_task_id()
         if self.tracker is not None:
             self.tracker._on_unpack()  # a prefetch is backward work
-        if self.on_backward is not None:
-            self._backward_begins()
         done = 0
         with self.lock:
             for h in self.live_handles():

@@ -64,18 +64,30 @@ Note [Verify, correct, stay put]
     stops measuring: it converges within three steps (floor, plan, corrected plan) and
     the saved sets do not change afterwards. A step that cannot be measured (a profiler
     session ac2 did not start is running, a forward ran without its backward, steps
-    overlapped as under pipeline schedules, a block ran twice in one step) changes
-    nothing; the planner stays at its current plan and says why in :meth:`describe`.
+    overlapped as under pipeline schedules, a block ran twice in one step, the blocks
+    ran another structure or plan than the one being verified) changes nothing; the
+    planner stays at its current plan and says why in :meth:`describe`; after
+    ``_UNMEASURED`` step starts in a row without a usable step it stops measuring.
+    Bases only rise above what a step over the target implied (``guard``): a plan known
+    to overshoot is not chosen again.
 
 Note [One plan on every rank]
     A replay of a nested FSDP unit unshards it (a collective), so ranks whose plans
-    differ could issue collectives in different orders. Before using a measured step
-    the planner all-reduces (MAX) its figures over the default process group (at the
-    next step's first region, where every rank is): with equal targets and equal block
-    structures every rank then runs the same deterministic planner on the same numbers
-    and gets the same plan, which meets the target on the rank with the highest peak.
-    Ranks with different targets (a callable) or different block counts plan on their
-    own figures.
+    differ could issue collectives in different orders. At every step start but the
+    first, every rank takes part in exactly one sync round (two MAX all-reduces over the
+    default process group: the length, then a fixed header -- settled?, unusable?, block
+    count, target, the allocated bytes the next step starts from -- and the segment
+    peaks), whatever it has to offer: a rank with no usable step says so, a settled
+    rank still joins until the round says every rank has settled, then none syncs
+    again. So the number of collectives is the number of step starts on every rank,
+    and with equal targets and equal block structures every rank runs the same
+    deterministic planner on the same numbers (the highest peak per segment) and gets
+    the same plan. Ranks with different targets (a callable) or block counts plan on
+    their own figures. Every rank must therefore run the same checkpointed forwards
+    under grad (as FSDP and DDP require anyway). A ``torch.distributed.pipelining``
+    stage reaches a step's first region when its schedule says, not when the other
+    stages do: the planner detects the stage (its frame on the stack, before any
+    collective), stays at the floor and never syncs.
 """
 
 from __future__ import annotations
@@ -102,6 +114,8 @@ _USE = 0.97  # a plan using less of the target than this is corrected (Note [Ver
 _TRIES = 2  # planned steps measured before the planner stays put
 _GRID = 4096  # the DP rounds bytes up to target / _GRID
 _HISTORY = 64  # measured steps describe() lists
+_UNMEASURED = 8  # step starts in a row without a usable step after which the planner stays put
+_MAX_CALLS = 4096  # regions per step the planner follows
 _OVERLAP = ("forwards and backwards of several steps interleaved (microbatches in flight, as under a "
             "pipeline schedule, or a forward without its backward)")
 
@@ -175,6 +189,7 @@ class _Step:
     ended: bool = False  # its backward completed
     problem: str | None = None  # why it cannot be measured
     peaks: dict[str, int] | None = None  # segment -> peak above the step's start
+    choice: Any = None  # the planner's choice when it began (what its blocks should follow)
 
     def mark(self, what: str) -> None:
         if self.trace is not None:
@@ -230,10 +245,14 @@ class PeakPlanner:
         self.measured: int | None = None  # of the latest measured step the planner used
         self.last_seen: int | None = None  # of the latest step traced on this rank (reports)
         self.tried: list[tuple[float, tuple[int, ...] | None, int]] = []  # (cost, choice, measured)
+        self.planned_steps = 0  # planned steps measured
         self.state = "floor"  # floor -> planned -> settled
         self.reason = ""  # why it settled (or stays at the floor)
         self.history: list[_Record] = []
         self._ready: list[_Step] = []
+        self.guard: dict[str, int] = {}  # per segment, the highest base a step over the target implied
+        self.all_settled = False  # every rank settled (the last sync said so): no more collectives
+        self.unmeasured = 0  # synced rounds in a row without a usable step
         self._warned: set[str] = set()
         self._error: str | None = None
         self.plans_installed = 0
@@ -244,34 +263,49 @@ class PeakPlanner:
         Returns the key its plan is kept under: ``fqn``, or for an anonymous region (a
         drop-in ``checkpoint(fn)`` call, fqn ``""``) its position among the step's
         anonymous calls (``""``, ``"[1]"``, ``"[2]"``, ...)."""
-        if not torch.is_grad_enabled():  # records nothing: not part of a step
-            return fqn
         with self.lock:
+            step = self.step
+            if step is not None and step.ended:
+                self._close(step)  # also before a no-grad forward: an eval loop is not traced
+                step = None
+            if not torch.is_grad_enabled():  # records nothing: not part of a step
+                return fqn
             if self._error is not None:
                 raise RuntimeError(self._error)
-            step = self.step
+            if self.state == "pipelined":
+                return fqn
             if step is not None:
-                if step.ended:
-                    self._close(step)
-                    step = None
-                elif not step.backward and fqn and any(c.fqn == fqn for c in step.calls):
+                if not step.backward and fqn and any(c.fqn == fqn for c in step.calls):
                     step.problem = step.problem or _OVERLAP
                     self._close(step)
-                    step = None
                 elif step.backward:  # a forward while the step's backward is still running
                     step.problem = step.problem or _OVERLAP
                     return self._key(step, fqn)
                 else:
                     return self._key(step, fqn)  # the step's next block
+            if _under_pipelining():  # checked before any collective, at every step start
+                self._pipelined()
+                return fqn
             self._update()
             if self._error is not None:
                 raise RuntimeError(self._error)
             self._begin()
             return self._key(self.step, fqn)
 
+    def _pipelined(self) -> None:
+        """Note [Verify, correct, stay put]: a pipeline stage's steps interleave; the
+        planner measures nothing and issues no collective (stages reach a step's first
+        region at different times)."""
+        self.close()  # a step begun outside the schedule (e.g. the stage's shape inference)
+        self.state = "pipelined"
+        self.all_settled = True
+        self.reason = "a torch.distributed.pipelining stage: steps cannot be measured (limitation)"
+        self._warn_once("pipelined", "a pipeline schedule runs this model: microbatches are in flight, so a step "
+                                     "cannot be measured; the plan stays at the floor (\"recompute_all\")")
+
     @staticmethod
     def _key(step: _Step | None, fqn: str) -> str:
-        if fqn or step is None:
+        if fqn or step is None or step.anonymous >= _MAX_CALLS:
             return fqn
         n = step.anonymous
         step.anonymous = n + 1
@@ -283,6 +317,7 @@ class PeakPlanner:
         self.steps += 1
         step = _Step(index, f"{id(self):x}:{index}:", threading.get_ident(),
                      torch.cuda.memory_allocated() if on_cuda else 0)
+        step.choice = self.choice
         trace = active_trace()
         if trace is not None:  # Note [One trace, two readers]
             step.trace = trace
@@ -313,6 +348,9 @@ class PeakPlanner:
                 return
             plan = region.plan
             k = len(step.calls)
+            if k >= _MAX_CALLS:
+                step.problem = step.problem or f"more than {_MAX_CALLS} checkpointed regions in one step"
+                return
             step.calls.append(_Call(region.fqn, plan.saved_bytes - plan.floor_bytes if plan is not None else 0,
                                     plan.signature if plan is not None else None))
             if any(c.fqn == region.fqn for c in step.calls[:-1]):
@@ -330,10 +368,10 @@ class PeakPlanner:
         plan = region.plan
         with self.lock:
             call = step.calls[k]
-            if plan is not None and not region.diverged:
-                call.signature = plan.signature
-            elif region.problem_signature is not None:
-                call.signature = region.problem_signature
+            if region.problem_signature is not None:  # it calibrated: the floor, nothing kept
+                call.signature, call.dk = region.problem_signature, 0
+            elif plan is not None and not region.diverged:  # it followed ``plan`` (maybe switched to it)
+                call.signature, call.dk = plan.signature, plan.saved_bytes - plan.floor_bytes
             else:
                 step.problem = step.problem or f"the module {region.fqn} did not follow a plan to its end"
 
@@ -393,56 +431,80 @@ class PeakPlanner:
 
     # ---- measured steps -----------------------------------------------------------------
     def _update(self) -> None:
-        """Use the steps measured since the last call (Note [Verify, correct, stay put])."""
+        """Use the latest step measured since the last call (Note [Verify, correct, stay
+        put]). Until every rank has settled, every rank syncs exactly once here per step
+        start, whatever it has to offer (Note [One plan on every rank])."""
         ready, self._ready = self._ready, []
-        for step in ready:
-            if step.trace is not None and not step.own_trace and step.peaks is None and step.problem is None:
-                self._ready.append(step)  # someone else's trace still runs: read it later
-                continue
-            self._use(step)
-
-    def _use(self, step: _Step) -> None:
-        peaks = step.peaks
-        problem = step.problem
-        if self.state == "settled":  # measured for the reports only: no collective, no change
-            if peaks is not None and problem is None:
-                self.measured = max(peaks.values()) + step.base_abs
-                self._remember(_Record(step.index, self._describe_choice(), self.predicted, self.measured,
-                                       "over the target" if self.measured > self.target else ""))
+        waiting = [s for s in ready if s.trace is not None and not s.own_trace and s.peaks is None
+                   and s.problem is None]  # someone else's trace still runs: read it later
+        self._ready = waiting
+        done = [s for s in ready if s not in waiting]
+        step = done[-1] if done else None
+        if self.steps == 0 or self.all_settled:  # nothing measured anywhere yet, or no more syncing
+            if step is not None:
+                self._report_only(step)
             return
-        if peaks is None and problem is None:
+        self._use(step)
+
+    def _report_only(self, step: _Step) -> None:
+        """A settled planner records what a traced step measured (reports), nothing else."""
+        if step.peaks is not None and step.problem is None:
+            self.measured = max(step.peaks.values()) + step.base_abs
+            self._remember(_Record(step.index, self._describe_choice(), self.predicted, self.measured,
+                                   "over the target" if self.measured > self.target else ""))
+
+    def _use(self, step: _Step | None) -> None:
+        on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        now_abs = torch.cuda.memory_allocated() if on_cuda else 0  # what the next step starts from
+        calls = step.calls if step is not None else []
+        segments = [f"{kind}:{k}" for k in range(len(calls)) for kind in ("fwd", "bwd")]
+        peaks = step.peaks if step is not None else None
+        problem = "no step ended since the last one" if step is None else step.problem
+        if problem is None and peaks is None:
             problem = "it was not traced"
-        segments = [f"{kind}:{k}" for k in range(len(step.calls)) for kind in ("fwd", "bwd")]
         if problem is None:
-            problem = _missing(segments, peaks)
-        # Note [One plan on every rank]: the same figures on every rank.
-        values = [0 if problem is None else 1, len(step.calls), self.target, -self.target]
-        values += [peaks.get(s, -1) if peaks else -1 for s in segments]
-        values += [step.base_abs]
-        values = _all_max(values)
-        if values[0] and problem is None:
+            problem = _missing(segments, peaks) or self._followed(step)
+        # Note [One plan on every rank]: one round per step start on every rank.
+        n = len(calls)
+        unsettled = self.state != "settled"  # a settled rank measures nothing and vetoes nothing
+        head = [int(unsettled), int(unsettled and problem is not None), n, -n, self.target, -self.target, now_abs]
+        synced = _all_max(head + [peaks.get(s, -1) if peaks else -1 for s in segments])
+        self.all_settled = synced[0] == 0
+        if synced[1] and problem is None:
             problem = "another rank could not measure it"
-        if values[1] == len(step.calls) and values[2] == -values[3] and peaks:
-            peaks = {s: values[4 + i] for i, s in enumerate(segments)}
-            step.base_abs = values[-1]
+        if synced[2] == -synced[3] == n and synced[4] == -synced[5]:  # same structure and target everywhere
+            now_abs = synced[6]
+            if peaks:
+                peaks = {s: synced[len(head) + i] for i, s in enumerate(segments)}
+        self.base_abs = now_abs
+        if self.state == "settled":
+            if step is not None:
+                self._report_only(step)
+            return
         if problem is not None:
-            self._remember(_Record(step.index, self._describe_choice(), self.predicted, None, problem))
-            if self.state != "settled":
+            self.unmeasured += 1
+            if step is not None:
+                self._remember(_Record(step.index, self._describe_choice(), self.predicted, None, problem))
                 self._warn_once("unmeasured", f"step {step.index + 1} could not be measured ({problem}); the plan "
                                               f"stays as it is ({self._describe_choice()}) until a step can be")
+            if self.unmeasured >= _UNMEASURED:
+                self._settle(f"{_UNMEASURED} step starts in a row found no measured step (last: {problem})")
             return
+        self.unmeasured = 0
         measured = max(peaks.values()) + step.base_abs
         self.measured = measured
-        self.base_abs = step.base_abs
         target = self.target
-        dks = [c.dk for c in step.calls]
+        dks = [c.dk for c in calls]
         implied = {s: peaks[s] - sum(dks[:int(s.split(":")[1]) + 1]) for s in segments}
-        choice = self.choice
-        self._remember(_Record(step.index, self._describe_choice(), self.predicted, measured,
+        choice = step.choice
+        self._remember(_Record(step.index, self._describe_choice(choice), self.predicted, measured,
                                "over the target" if measured > target else ""))
+        if measured > target:
+            for s in segments:
+                self.guard[s] = max(self.guard.get(s, implied[s]), implied[s])
         if self.state == "floor":
             self.floor_peak = measured
-            self.structure = list(step.calls)
+            self.structure = list(calls)
             self.bases = implied
             if measured > target:
                 self._infeasible(measured)
@@ -452,6 +514,7 @@ class PeakPlanner:
             if self.choice is None:
                 self._settle("the floor is the only plan within the target")
             return
+        self.planned_steps += 1
         cost = self._cost(choice)
         if measured <= target:
             self.tried.append((cost, choice, measured))
@@ -459,30 +522,46 @@ class PeakPlanner:
             self._settle("the measured peak is within the target" + (
                 "" if measured >= _USE * target else " (every block saves all it can)"))
             return
-        if len(self.history_planned()) >= _TRIES:
+        if self.planned_steps >= _TRIES:
             best = min(self.tried, key=lambda t: t[0]) if self.tried else (0.0, None, 0)
-            if best[1] != choice:
+            if best[1] != self.choice:
                 self._install(best[1])
             self._settle(f"after {_TRIES} planned steps: the cheapest plan measured within the target"
                          if self.tried else f"after {_TRIES} planned steps no plan was within the target: the floor")
             return
-        if measured > target:
-            self.bases = {s: max(self.bases.get(s, implied[s]), implied[s]) for s in segments}
-        else:
-            self.bases = implied
-        self.structure = list(step.calls)
+        # Over: the bases rise to what the step implies; under: they become it, never below
+        # what a step over the target implied (a plan known to overshoot is not tried again).
+        bases = {}
+        for s in segments:
+            base = max(implied[s], self.guard.get(s, implied[s]))
+            if measured > target:
+                base = max(base, self.bases.get(s, base))
+            bases[s] = base
+        self.bases = bases
+        self.structure = list(calls)
         before = self.choice
         self._plan()
         if self.choice == before:
             self._settle("a corrected plan equals the measured one")
 
+    def _followed(self, step: _Step) -> str | None:
+        """Why ``step`` is not a measurement of the plan it began under (None if it is)."""
+        calls = step.calls
+        if any(c.signature is None for c in calls):
+            return "a block's structure is unknown"
+        if step.choice is None and self.state == "floor":
+            return None if all(c.dk == 0 for c in calls) else "a block saved more than the floor"
+        structure = self.structure or []
+        if [(c.fqn, c.signature) for c in calls] != [(c.fqn, c.signature) for c in structure]:
+            return "its blocks' structure changed"
+        if [c.dk for c in calls] != self._dks(step.choice):
+            return "its blocks did not follow the plan"
+        return None
+
     def _remember(self, record: _Record) -> None:
         self.history.append(record)
         if len(self.history) > _HISTORY:
             del self.history[1:2]  # keep the floor step and the latest ones
-
-    def history_planned(self) -> list[_Record]:
-        return [r for r in self.history if r.what != "floor" and r.measured is not None]
 
     def _settle(self, reason: str) -> None:
         self.state = "settled"
@@ -573,10 +652,11 @@ class PeakPlanner:
         return sum(o.seconds for o in opts), sum(o.flops for o in opts)
 
     # ---- what the user sees -------------------------------------------------------------
-    def _describe_choice(self) -> str:
-        if self.choice is None:
+    def _describe_choice(self, choice: Any = "current") -> str:
+        choice = self.choice if choice == "current" else choice
+        if choice is None:
             return "floor"
-        return f"saves {_human(sum(self._dks(self.choice)))} above the floor"
+        return f"saves {_human(sum(self._dks(choice)))} above the floor"
 
     def describe(self) -> str:
         """Target, floor, predicted and measured peak, and the history of measured steps."""
@@ -652,7 +732,8 @@ def _solve(options: list[list[_Option]], bases: dict[str, int], target: int) -> 
 
 
 def _all_max(values: list[int]) -> list[int]:
-    """Element-wise MAX over the default process group (Note [One plan on every rank])."""
+    """Element-wise MAX over the default process group (Note [One plan on every rank]);
+    lists of different lengths are padded (the caller compares the lengths it sent)."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return values
@@ -663,11 +744,13 @@ def _all_max(values: list[int]) -> list[int]:
         head = torch.tensor([len(values)], dtype=torch.int64, device=device)
         dist.all_reduce(head, op=dist.ReduceOp.MAX)
         longest = int(head.item())
-        padded = values + [-(2**62)] * (longest - len(values))
-        t = torch.tensor(padded, dtype=torch.int64, device=device)
+        t = torch.tensor(values + [-(2**62)] * (longest - len(values)), dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out = t.tolist()
-    if longest != len(values):  # structures differ between ranks: plan on our own figures
-        return [out[0]] + values[1:]
-    return out
+        return t.tolist()
 
+
+def _under_pipelining() -> bool:
+    """Whether a ``torch.distributed.pipelining`` stage runs this forward."""
+    from .memory import _pipeline_microbatch
+
+    return _pipeline_microbatch() is not None

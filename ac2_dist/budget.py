@@ -237,7 +237,10 @@ class MemoryBudget:
         if self._peak_arg is None:
             return None
         if self._planner is None:
-            self._planner = PeakPlanner(self, self._resolve()[1])
+            target = self._resolve()[1]
+            with self._lock:
+                if self._planner is None:
+                    self._planner = PeakPlanner(self, target)
         return self._planner
 
     def close(self) -> None:

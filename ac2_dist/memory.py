@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._alloc import AllocationTrace
+from ._alloc import AllocationTrace, active_trace
 from ._graph import REASONS, Graph, GraphStats, Node
 from ._region import _thread_state
 
@@ -402,6 +402,9 @@ class Tracker:
             raise RuntimeError("ac2_dist.memory.track: a Tracker is single-use; call track() again")
         if st.tracker is not None:
             raise RuntimeError("ac2_dist.memory.track: a tracker is already active on this thread")
+        running = active_trace()
+        if running is not None and running.preempt is not None:  # a MemoryBudget(peak=...) measuring
+            running.preempt()  # Note [One trace, two readers] (_alloc.py)
         if torch._C._autograd._profiler_enabled():
             raise RuntimeError(
                 "ac2_dist.memory.track reads allocations and all-gathers from torch.profiler and "

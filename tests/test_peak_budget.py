@@ -125,6 +125,16 @@ def test_the_planner_measures_on_its_own_and_leaves_no_profiler_running():
         model.zero_grad(set_to_none=True)
         loss_fn(model).backward()
     assert not torch._C._autograd._profiler_enabled()  # settled: its last trace stopped at step 4
+
+    # memory.track started between two measuring steps stops the planner's own trace first.
+    other = ac.apply_ac(copy.deepcopy(base), ac.MemoryBudget(peak=target), modules=[block])
+    other.zero_grad(set_to_none=True)
+    loss_fn(other).backward()
+    assert torch._C._autograd._profiler_enabled()  # the planner's trace runs until the next step
+    with ac.memory.track(other):
+        other.zero_grad(set_to_none=True)
+        loss_fn(other).backward()
+    assert not torch._C._autograd._profiler_enabled()
     planner = budget.peak_planner
     assert planner.state == "settled" and planner.measured is not None, planner.describe()
     assert planner.measured <= target
@@ -361,3 +371,75 @@ def test_peak_target_on_two_ranks_same_plan_on_every_rank(kind, fractions):
             assert run["state"] == "settled", run["describe"]
     for a, b in zip(results[0]["runs"], results[1]["runs"]):
         assert a["plans"] == b["plans"]  # Note [One plan on every rank]
+
+
+# ---- no hang: pipeline stages and per-rank targets --------------------------------------------
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+def _pipeline_rank(rank, world, schedule):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.manual_seed(rank)
+    budget = ac.MemoryBudget(peak="1GiB")
+    stage_module = ac.apply_ac(torch.nn.Sequential(_MLP(), _MLP()), budget, modules=[_MLP])
+    stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    pipe = cls(stage, 4, loss_fn=lambda out, target: (out - target).square().mean())
+    x, target = torch.randn(32, 64), torch.randn(32, 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            if rank == 0:
+                pipe.step(x)
+            else:
+                pipe.step(target=target, losses=[])
+            stage_module.zero_grad(set_to_none=True)
+    planner = budget.peak_planner
+    return {"state": planner.state, "choice": planner.choice, "profiler": torch._C._autograd._profiler_enabled(),
+            "warnings": [str(w.message) for w in caught if "pipeline schedule" in str(w.message)]}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_stages_stay_at_the_floor_without_collectives(schedule):
+    """Stages reach a step's first region at different times: the planner of a pipeline
+    stage measures nothing and issues no collective (it would deadlock), says so once."""
+    for out in run_ranks(_pipeline_rank, schedule, timeout=240):
+        assert out["state"] == "pipelined" and out["choice"] is None, out
+        assert len(out["warnings"]) == 1 and not out["profiler"], out
+
+
+def _per_rank_targets(rank, world):
+    from torch.nn.parallel import DistributedDataParallel
+
+    base, block, loss_fn, first = _gpt()
+    floor_model = ac.apply_ac(copy.deepcopy(base), "recompute_all", modules=[block])
+    floor_peak = _measured(floor_model, first, loss_fn, 2)[-1][0]
+    # Rank 0 below its floor (settles at once), rank 1 planning for a few steps: the ranks
+    # settle at different steps and must still issue the same collectives.
+    budget = ac.MemoryBudget(peak=lambda r: floor_peak // 2 if r == 0 else floor_peak * 2)
+    model = DistributedDataParallel(ac.apply_ac(copy.deepcopy(base), budget, modules=[block]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(STEPS + 1):
+            model.zero_grad(set_to_none=True)
+            loss_fn(model.module).backward()
+    budget.close()
+    planner = budget.peak_planner
+    return {"state": planner.state, "choice": planner.choice, "all_settled": planner.all_settled, "plan": planner.describe(),
+            "infeasible": sum("above the target" in str(w.message) for w in caught)}
+
+
+def test_per_rank_targets_settle_at_different_steps_without_a_hang():
+    r0, r1 = run_ranks(_per_rank_targets, timeout=240)
+    assert r0["state"] == "settled" and r0["choice"] is None and r0["infeasible"] == 1, r0
+    assert r1["state"] == "settled" and r1["choice"] is not None and r1["infeasible"] == 0, r1
+    assert r0["all_settled"] and r1["all_settled"]
