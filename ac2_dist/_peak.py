@@ -662,7 +662,8 @@ class PeakPlanner:
         """Target, floor, predicted and measured peak, and the history of measured steps."""
         with self.lock:
             state = {"floor": "measuring the floor" if not self.history else "at the floor",
-                     "planned": "verifying its plan", "settled": f"settled: {self.reason}"}[self.state]
+                     "planned": "verifying its plan", "settled": f"settled: {self.reason}",
+                     "pipelined": f"at the floor: {self.reason}"}[self.state]
             seconds, flops = self.recompute()
             lines = [
                 f"peak target {_human(self.target)} ({self.target} bytes) on this rank; {state}",

@@ -405,7 +405,8 @@ def _pipeline_rank(rank, world, schedule):
             stage_module.zero_grad(set_to_none=True)
     planner = budget.peak_planner
     return {"state": planner.state, "choice": planner.choice, "profiler": torch._C._autograd._profiler_enabled(),
-            "warnings": [str(w.message) for w in caught if "pipeline schedule" in str(w.message)]}
+            "warnings": [str(w.message) for w in caught if "pipeline schedule" in str(w.message)],
+            "plan": budget.format_plan()}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -415,6 +416,7 @@ def test_pipeline_stages_stay_at_the_floor_without_collectives(schedule):
     for out in run_ranks(_pipeline_rank, schedule, timeout=240):
         assert out["state"] == "pipelined" and out["choice"] is None, out
         assert len(out["warnings"]) == 1 and not out["profiler"], out
+        assert "at the floor: a torch.distributed.pipelining stage" in out["plan"], out["plan"]
 
 
 def _per_rank_targets(rank, world):
