@@ -12,7 +12,7 @@ Note [What a peak target bounds]
     CUDA, N is absolute (``memory_allocated()`` when the step began plus the peak above
     it: the scale of ``torch.cuda.max_memory_allocated``); on CPU, where torch exposes
     no allocated-bytes counter, N is the peak above what was allocated when the step
-    began (the scale of ``memory.track``'s peak). Everything the step allocates counts:
+    began (``memory.track``'s step starts at the model's forward, a little earlier). Everything the step allocates counts:
     the blocks' saved and recomputed values, gradients, FSDP's unsharded parameters and
     prefetches, the replay working set, the loss and its backward.
 
