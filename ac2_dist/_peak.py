@@ -104,6 +104,8 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ._alloc import AllocationTrace, active_trace
+from .memory import _human_bytes as _human
+from .memory import _pipeline_microbatch
 
 if TYPE_CHECKING:
     from .budget import MemoryBudget, _Problem
@@ -147,13 +149,6 @@ def parse_size(value: Any, name: str = "peak") -> int:
     return nbytes
 
 
-def _human(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 @dataclass
 class _Option:
     """One saved set of a block structure: bytes above its floor and estimated cost."""
@@ -179,7 +174,6 @@ class _Step:
 
     index: int
     prefix: str  # of its plan marks: unique per planner and step
-    thread: int
     base_abs: int  # allocated when it began (CUDA; 0 on CPU)
     calls: list[_Call] = field(default_factory=list)
     anonymous: int = 0  # regions without a module fqn so far (PeakPlanner._key)
@@ -255,7 +249,6 @@ class PeakPlanner:
         self.unmeasured = 0  # synced rounds in a row without a usable step
         self._warned: set[str] = set()
         self._error: str | None = None
-        self.plans_installed = 0
 
     # ---- steps ------------------------------------------------------------------------
     def before_region(self, fqn: str) -> str:
@@ -315,8 +308,7 @@ class PeakPlanner:
         on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         index = self.steps
         self.steps += 1
-        step = _Step(index, f"{id(self):x}:{index}:", threading.get_ident(),
-                     torch.cuda.memory_allocated() if on_cuda else 0)
+        step = _Step(index, f"{id(self):x}:{index}:", torch.cuda.memory_allocated() if on_cuda else 0)
         step.choice = self.choice
         trace = active_trace()
         if trace is not None:  # Note [One trace, two readers]
@@ -616,7 +608,6 @@ class PeakPlanner:
             plans[c.fqn] = self.problems[c.signature].make_plan(self.budget, opt.saved)
         self.budget._set_plans(plans)
         self.predicted = self._predict(choice)
-        self.plans_installed += 1
 
     def _dks(self, choice: tuple[int, ...] | None) -> list[int]:
         calls = self.structure or []
@@ -752,6 +743,4 @@ def _all_max(values: list[int]) -> list[int]:
 
 def _under_pipelining() -> bool:
     """Whether a ``torch.distributed.pipelining`` stage runs this forward."""
-    from .memory import _pipeline_microbatch
-
     return _pipeline_microbatch() is not None

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_core import PAIRS, plain_flops_of, ratio_stats, timed_rounds  # noqa: E402
+from bench_core import PAIRS, _PlainFlops, backward_flops, ratio_stats, timed_rounds  # noqa: E402
 from models import Llama  # noqa: E402
 from train import (  # noqa: E402
     AC_MODES,
@@ -87,7 +87,7 @@ def _measure_mode(model, x, y, compiled: bool) -> dict:
     report = tracker.report()
     collectives = _collectives_in_backward(model, x, y)
     model.zero_grad(set_to_none=True)
-    flops = None if compiled else plain_flops_of(lambda: _loss(model, x, y))
+    flops = None if compiled else backward_flops(lambda: _loss(model, x, y), _PlainFlops)
     return {
         "peak_bytes_forward": report.peak_bytes_forward,
         "peak_bytes_backward": report.peak_bytes_backward,

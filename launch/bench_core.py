@@ -51,6 +51,7 @@ from models import GPTBlock, GPTStack, MLPLayer, Stage, StageStack  # noqa: E402
 
 import ac2_dist as ac  # noqa: E402
 from ac2_dist._alloc import AllocationTrace  # noqa: E402
+from ac2_dist.budget import _FLOP_ALIASES  # noqa: E402  (ops without a formula of their own)
 
 aten = torch.ops.aten
 SAVE_OPS = [aten.mm.default, aten.addmm.default]
@@ -151,17 +152,20 @@ def measure_memory(model, x, loss_fn: Callable = forward) -> dict:
     }
 
 
-def backward_flops(loss_fn: Callable[[], torch.Tensor]) -> int:
-    """Backward FLOPs (recompute included) = FLOPs of forward+backward - of forward.
+def backward_flops(loss_fn: Callable[[], torch.Tensor], counter: Callable[[], Any] | None = None) -> int:
+    """Backward FLOPs (recompute included) = FLOPs of forward+backward - of forward,
+    counted by ``counter()`` (default ``FlopCounterMode``; :class:`_PlainFlops`
+    dispatches every op unchanged).
 
     The counter is active over forward *and* backward: torch's SAC fails when a
     dispatch mode appears only during its recompute (it sees extra ops and raises
     "not found in storage"), so counting backward alone cannot measure it.
     """
-    fwd = FlopCounterMode(display=False)
+    make = counter or functools.partial(FlopCounterMode, display=False)
+    fwd = make()
     with fwd:
         loss_fn()
-    both = FlopCounterMode(display=False)
+    both = make()
     with both:
         loss_fn().backward()
     return both.get_total_flops() - fwd.get_total_flops()
@@ -173,11 +177,12 @@ class _PlainFlops(torch.utils._python_dispatch.TorchDispatchMode):
     block then shows ac2 another structure). CPU flash attention is counted with the
     CUDA flash kernel's formula (the same q/k/v arithmetic)."""
 
-    _ALIASES = {aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention}
-
     def __init__(self) -> None:
         super().__init__()
         self.flops = 0
+
+    def get_total_flops(self) -> int:  # FlopCounterMode's name, for backward_flops
+        return self.flops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.utils.flop_counter import flop_registry
@@ -185,28 +190,16 @@ class _PlainFlops(torch.utils._python_dispatch.TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        formula = flop_registry.get(self._ALIASES.get(packet, packet))
+        formula = flop_registry.get(_FLOP_ALIASES.get(packet, packet))
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
         return out
 
 
 def plain_backward_flops(model, x) -> int:
-    """Backward FLOPs (recompute included) counted by :class:`_PlainFlops` (see
-    :func:`backward_flops` for why forward is counted too)."""
+    """:func:`backward_flops` of ``model`` counted by :class:`_PlainFlops`."""
     model.zero_grad(set_to_none=True)
-    return plain_flops_of(lambda: forward(model, x))
-
-
-def plain_flops_of(loss_fn: Callable[[], torch.Tensor]) -> int:
-    """:func:`backward_flops` counted by :class:`_PlainFlops`."""
-    fwd = _PlainFlops()
-    with fwd:
-        loss_fn()
-    both = _PlainFlops()
-    with both:
-        loss_fn().backward()
-    return both.flops - fwd.flops
+    return backward_flops(lambda: forward(model, x), _PlainFlops)
 
 
 def measure_flops(model, x) -> int:
