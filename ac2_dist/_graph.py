@@ -114,7 +114,7 @@ from __future__ import annotations
 import threading
 import types
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -376,9 +376,10 @@ class Node:
         self.seq = seq
         self.args: tuple = ()
         self.kwargs: Mapping[str, Any] = NO_KWARGS
-        # (position, producer node, producer output index) for every tensor argument: a
-        # list the tracer gives a recomputable node; () for leaves and saved nodes.
-        self.inputs: list[tuple[Any, Node, int]] | tuple = ()
+        # For every tensor argument its position, producer node and producer output
+        # index, flat: (pos, node, idx, pos, node, idx, ...) (Note [Node inputs are one
+        # flat tuple]); () for leaves and saved nodes. Read with input_refs/producers.
+        self.inputs: tuple = ()
         self.saved: list[Saved | None] | None = None
         self.values: list[Any] | None = None
         self.pending = [0] * nout
@@ -408,6 +409,27 @@ class Node:
     @property
     def name(self) -> str:
         return "region input" if self.op is None else f"output of {self.op}"
+
+
+def input_refs(node: Node) -> Iterator[tuple[Any, Node, int]]:
+    """``(position, producer, output index)`` of each tensor argument of ``node``.
+
+    Note [Node inputs are one flat tuple]
+        A recorded op's tensor arguments are kept as one flat tuple of triples
+        ``(pos, producer, idx, ...)`` rather than a list of 3-tuples: one object per
+        node instead of one plus one per input. Every node lives until backward, and
+        objects the garbage collector tracks are what makes recording slow down with
+        region length (full collections scan them all).
+    """
+    it = iter(node.inputs)
+    return zip(it, it, it)
+
+
+def producers(node: Node) -> Iterator[tuple[Node, int]]:
+    """``(producer, output index)`` of each tensor argument of ``node``
+    (Note [Node inputs are one flat tuple])."""
+    inp = node.inputs
+    return zip(inp[1::3], inp[2::3])
 
 
 class RngChain:
@@ -518,10 +540,11 @@ def _wrapped_fqn(module: Any, default: str) -> str:
 class Handle:
     """What autograd keeps instead of a saved tensor: a pointer to a node output."""
 
-    __slots__ = ("graph", "node", "idx", "seq", "consumed_task", "prefetched", "ready", "last", "__weakref__")
+    # No reference to its graph: autograd keeps the graph's bound ``unpack`` beside
+    # every handle (the region's saved-tensor hooks), which is how an unpack finds it.
+    __slots__ = ("node", "idx", "seq", "consumed_task", "prefetched", "ready", "last", "__weakref__")
 
-    def __init__(self, graph: Graph, node: Node, idx: int, seq: int) -> None:
-        self.graph = graph
+    def __init__(self, node: Node, idx: int, seq: int) -> None:
         self.node = node
         self.idx = idx
         self.seq = seq  # pack order: the same on every rank (Note [Deterministic prefetch order])
@@ -543,12 +566,6 @@ def _remember(h: Handle, v: Any) -> Any:
 
 def _node_seq(n: Node) -> int:
     return n.seq
-
-
-@skip_dynamo
-def unpack_handle(handle: Handle) -> Any:
-    """The saved-tensor unpack hook of every region (the pack hook is ``Graph.pack``)."""
-    return handle.graph.unpack(handle)
 
 
 class Graph:
@@ -662,7 +679,7 @@ class Graph:
             return
         if node.scheduled:  # armed as a replay already: its value now comes from _fill_cut
             node.scheduled = False
-            for _, m, j in node.inputs:
+            for m, j in producers(node):
                 self._disarm(m, j)
         node.cut = True
         self.has_cuts = True
@@ -690,7 +707,7 @@ class Graph:
             # Armed for a compute that will not happen any more: give the inputs back
             # their pending uses (the exact reverse of arm()).
             node.scheduled = False
-            for _, m, j in node.inputs:
+            for m, j in producers(node):
                 self._disarm(m, j)
         if not node.scheduled and all(s is not None for s in node.saved):
             # Fully saved now: recompute never passes through it, let its inputs go.
@@ -712,7 +729,8 @@ class Graph:
                 and not any(p > 0 and (n.saved is None or n.saved[k] is None) for k, p in enumerate(n.pending))
             ):
                 n.scheduled = False
-                stack.extend((m, j) for _, m, j in n.inputs)
+                inp = n.inputs
+                stack.extend(zip(inp[1::3], inp[2::3]))
 
     @skip_dynamo
     def pack(self, t: torch.Tensor) -> Handle:
@@ -728,7 +746,7 @@ class Graph:
         node.held += 1
         with self.lock:
             self.packed = seq = self.packed + 1
-            h = Handle(self, node, idx, seq)
+            h = Handle(node, idx, seq)
             self.arm(node, idx)
             self._handle_refs.append(weakref.ref(h))
         return h
@@ -743,7 +761,8 @@ class Graph:
         if node.cut or node.values is not None and node.values[idx] is not None:
             return
         node.scheduled = True
-        stack = [(m, j) for _, m, j in node.inputs]
+        inp = node.inputs
+        stack = list(zip(inp[1::3], inp[2::3]))
         while stack:
             n, i = stack.pop()
             n.pending[i] += 1
@@ -751,7 +770,8 @@ class Graph:
                 continue
             if not n.cut and not (n.values is not None and n.values[i] is not None) and not n.scheduled:
                 n.scheduled = True
-                stack.extend([(m, j) for _, m, j in n.inputs])
+                inp = n.inputs
+                stack.extend(zip(inp[1::3], inp[2::3]))
 
     def take(self, node: Node, idx: int) -> Any:
         """Hand ``node[idx]`` to one consumer; drop the cached value at its last use."""
@@ -843,7 +863,7 @@ class Graph:
         stack = [node]
         while stack:
             n = stack.pop()
-            for _, m, j in n.inputs:
+            for m, j in producers(n):
                 if m not in todo and not m.has_value(j):
                     todo.add(m)
                     if not m.cut:
@@ -871,7 +891,7 @@ class Graph:
         runs.append(node)
         members = set(runs)
         for n in runs:
-            for _, m, j in n.inputs:
+            for m, j in producers(n):
                 if m in members:
                     uses[m, j] = uses.get((m, j), 0) + 1
 
@@ -908,7 +928,7 @@ class Graph:
         if node.op is None or node.saved is not None and all(s is not None for s in node.saved):
             raise RuntimeError(f"ac2_dist internal error: asked to replay {node.name}")
         if not node.scheduled:  # defensive: keep take() balanced
-            for _, m, j in node.inputs:
+            for m, j in producers(node):
                 self.arm(m, j)
         node.scheduled = False
         self._keep(node, self._execute(node, self._take_shared))
@@ -925,7 +945,8 @@ class Graph:
         writes = node.writes
         cloned = 0
         base = None
-        for pos, m, j in node.inputs:
+        it = iter(node.inputs)
+        for pos, m, j in zip(it, it, it):
             v, shared = value_of(m, j)
             if writes and pos in writes:
                 if shared:
@@ -996,7 +1017,9 @@ class Graph:
         stats.peak_cached_bytes = max(stats.peak_cached_bytes, stats.cached_bytes)
         node.values = flat
 
+    @skip_dynamo
     def unpack(self, h: Handle) -> Any:
+        """The saved-tensor unpack hook of the region (its pack hook is :meth:`pack`)."""
         if self.tracker is not None:
             self.tracker._on_unpack()
         if self.on_backward is not None:

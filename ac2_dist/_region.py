@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._graph import Graph, GraphStats, unpack_handle
+from ._graph import Graph, GraphStats
 from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, PolicySource, _Frame, is_save
 from ._tracer import Tracer
 from .compile import (
@@ -226,7 +226,7 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
             st.tracker._add_graph(graph)
         ctx = PolicyContext(self._frame.module_fqn, _rank())
         tracer = Tracer(graph, st, ctx)
-        hooks = torch.autograd.graph.saved_tensors_hooks(graph.pack, unpack_handle)
+        hooks = torch.autograd.graph.saved_tensors_hooks(graph.pack, graph.unpack)
         hooks.__enter__()
         try:
             module_hook = torch.nn.modules.module.register_module_forward_hook(_unit_boundary)

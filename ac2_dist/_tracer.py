@@ -459,10 +459,10 @@ class Tracer(TorchDispatchMode):
                 idx = 1
                 continue
             src = (_INFO.get(node.op) or op_info(node.op)).view_src
-            if src is None or node.lists or len(node.inputs) != 1 or node.inputs[0][0] != src:
+            if src is None or node.lists or len(node.inputs) != 3 or node.inputs[0] != src:
                 return None
             steps.insert(0, (node.op, node.args, node.kwargs, src))
-            _, node, idx = node.inputs[0]
+            _, node, idx = node.inputs
         if node.aliased or node.alias_of is not None:
             return None
         return base, node, idx, tuple(steps)
@@ -472,12 +472,13 @@ class Tracer(TorchDispatchMode):
         """Make a write through a view read the view's base instead (Note [Writes through
         views of fresh tensors]): the replay rebuilds the view from the base's value."""
         _, m, j, steps = via
-        inputs = node.inputs
-        for k, (pos, n, _) in enumerate(inputs):
-            if pos in node.writes:
-                n.readers -= 1
+        inputs = list(node.inputs)
+        for k in range(0, len(inputs), 3):
+            if inputs[k] in node.writes:
+                inputs[k + 1].readers -= 1
                 m.readers += 1
-                inputs[k] = (pos, m, j)
+                inputs[k + 1], inputs[k + 2] = m, j
+        node.inputs = tuple(inputs)  # Note [Node inputs are one flat tuple] (_graph.py)
         node.via = steps
 
     def _snapshot_read(self, tensors) -> None:
@@ -498,7 +499,7 @@ class Tracer(TorchDispatchMode):
     @staticmethod
     def _recomputable(graph: Graph, func, info, args, kwargs, nout, frame, scratch=()) -> Node:
         node = graph.new_node(func, nout, frame.module_fqn)
-        inputs = node.inputs = []
+        inputs: list = []  # Note [Node inputs are one flat tuple] (_graph.py)
         allow = frame.allow_mutation
         targs = list(args)
         view_src = info.view_src
@@ -519,7 +520,7 @@ class Tracer(TorchDispatchMode):
                 if i == view_src:
                     m.viewed = True
                     m.viewers += 1
-                inputs.append((i, m, j))
+                inputs += (i, m, j)
             elif info.has_tensor_lists and type(a) in (list, tuple):
                 plain = False
                 lst = list(a)
@@ -527,7 +528,7 @@ class Tracer(TorchDispatchMode):
                     if isinstance(e, _Tensor):
                         m, j = graph.ref(e, allow)
                         m.readers += 1
-                        inputs.append(((i, k), m, j))
+                        inputs += ((i, k), m, j)
                         lst[k] = None
                         node.lists = True
                 targs[i] = lst
@@ -543,7 +544,7 @@ class Tracer(TorchDispatchMode):
                 if isinstance(v, _Tensor):
                     m, j = graph.ref(v, allow)
                     m.readers += 1
-                    inputs.append((k, m, j))
+                    inputs += (k, m, j)
                     tkw[k] = None
                 elif info.has_tensor_lists and type(v) in (list, tuple):
                     lst = list(v)
@@ -551,9 +552,10 @@ class Tracer(TorchDispatchMode):
                         if isinstance(e, _Tensor):
                             m, j = graph.ref(e, allow)
                             m.readers += 1
-                            inputs.append(((k, n), m, j))
+                            inputs += ((k, n), m, j)
                             lst[n] = None
                             node.lists = True
                     tkw[k] = lst
             node.kwargs = tkw
+        node.inputs = tuple(inputs)
         return node

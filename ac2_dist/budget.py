@@ -92,7 +92,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
-from ._graph import flatten_outputs
+from ._graph import flatten_outputs, input_refs
 from ._peak import PeakPlanner, _Option, parse_size
 from .fsdp import own_ops_scope
 from .side_effects import op_info
@@ -814,7 +814,7 @@ class _BudgetRegion:
             and not node.writes and node.via is None and frames and frames[-1].fn is self
         ) else None
         self.records.append(_Record(node.seq, call, func, node, nbytes, flops, seconds,
-                                    tuple(m.seq for _, m, _ in node.inputs), view, held))
+                                    tuple(m.seq for m in node.inputs[1::3]), view, held))
 
     def region_exit(self, graph: Any, failed: bool) -> None:
         if self.graph is None:
@@ -853,7 +853,7 @@ class _BudgetRegion:
         for r in self.records:
             writes = r.node.writes
             if writes:
-                for pos, m, _ in r.node.inputs:
+                for pos, m, _ in input_refs(r.node):
                     if pos in writes:
                         written.add(m.seq)
                         if m.alias_of is not None:  # its storage's owner (Note [Aliases a schema ...])

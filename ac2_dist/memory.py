@@ -197,7 +197,7 @@ def _held_bytes(graphs: Iterable[Graph], params: set[int]) -> tuple[dict[str, in
             if id(node) in visited:
                 continue
             visited.add(id(node))
-            stack.extend(m for _, m, _ in node.inputs)
+            stack.extend(node.inputs[1::3])  # Note [Node inputs are one flat tuple] (_graph.py)
             for s in node.saved or ():
                 # An offloaded value occupies its device tensor or its host copy (offload.py).
                 t = s.value.held() if s is not None and s.offloaded else getattr(s, "value", None)

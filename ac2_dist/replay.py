@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.profiler import record_function
 
-from ._graph import unpack_handle
+from ._graph import Graph
 from .offload import Offload
 
 _NULL = contextlib.nullcontext()
@@ -70,7 +70,7 @@ def trace_range(name: str) -> Any:
     return record_function(name) if torch._C._autograd._profiler_enabled() else _NULL
 
 if TYPE_CHECKING:
-    from ._graph import Graph, Node, RngChain
+    from ._graph import Node, RngChain
 
 
 def default_generator(device: torch.device) -> torch.Generator:
@@ -90,7 +90,7 @@ class _OwnHooksLifted:
 
     def __enter__(self) -> None:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        self._top = top if top is not None and top[1] is unpack_handle else None
+        self._top = top if top is not None and getattr(top[1], "__func__", None) is Graph.unpack else None
         if self._top is not None:
             torch._C._autograd._pop_saved_tensors_default_hooks()
 
