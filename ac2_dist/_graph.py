@@ -477,12 +477,15 @@ class MapEntry(weakref.ref):
         ``e[3]`` version, ``e[0]`` the reference) reads like the tuple it replaced.
     """
 
-    __slots__ = ("key", "node", "idx", "version")
+    __slots__ = ("key", "node", "idx", "version", "handle")
 
     key: int
     node: Node
     idx: int
     version: int | None
+    # The handle autograd got for this tensor while it was this node output, if any
+    # (Note [One handle per saved value]); the only field set after the entry is made.
+    handle: Handle | None
 
     def __getitem__(self, i: int) -> Any:
         return (self, self.node, self.idx, self.version)[i]
@@ -529,6 +532,7 @@ class TensorMap:
         e.node = node
         e.idx = idx
         e.version = version
+        e.handle = None
         self._d[key] = e
 
 
@@ -538,22 +542,48 @@ def _wrapped_fqn(module: Any, default: str) -> str:
 
 
 class Handle:
-    """What autograd keeps instead of a saved tensor: a pointer to a node output."""
+    """What autograd keeps instead of a saved tensor: a pointer to a node output.
 
-    # No reference to its graph: autograd keeps the graph's bound ``unpack`` beside
-    # every handle (the region's saved-tensor hooks), which is how an unpack finds it.
-    __slots__ = ("node", "idx", "seq", "consumed_task", "prefetched", "ready", "last", "__weakref__")
+    A handle has no reference to its graph: autograd keeps the graph's bound
+    ``unpack`` beside every handle (the region's saved-tensor hooks), which is how an
+    unpack finds it. Its pack order is its position in the graph's list (Note [Handles
+    are weakly listed]).
 
-    def __init__(self, node: Node, idx: int, seq: int) -> None:
+    Note [One handle per saved value]
+        Autograd often saves one tensor several times: an activation is saved by the op
+        that made it (``tanh``'s result) and by the op that reads it (``mul``'s self);
+        a weight by every op that multiplies with it. Every save of a tensor that is
+        still the same node output gets the same handle, as long as no backward has
+        read it yet: ``count`` says how many saved variables share it and each save
+        arms one pending use, as separate handles did. A backward's unpacks take one
+        use each until ``taken`` reaches ``count``; a read past that is a second read
+        of one saved variable (Note [Epochs: retain_graph=True]). A new backward over
+        a retained graph gives back the ``taken`` uses. One handle (and one weak
+        reference to it) per saved value instead of per save: less Python heap and
+        fewer objects for the garbage collector per recorded op.
+    """
+
+    __slots__ = ("node", "idx", "count", "consumed_task", "taken", "prefetched", "ready", "last", "__weakref__")
+
+    def __init__(self, node: Node, idx: int) -> None:
         self.node = node
         self.idx = idx
-        self.seq = seq  # pack order: the same on every rank (Note [Deterministic prefetch order])
+        self.count = 1  # saved variables sharing it (Note [One handle per saved value])
         # The autograd GraphTask (one backward call) that consumed this handle's pending
-        # use, if any (Note [Epochs: retain_graph=True]).
+        # uses, if any, and how many it took (Note [Epochs: retain_graph=True]).
         self.consumed_task: int | None = None
+        self.taken = 0
         self.prefetched: Any = None  # value realized ahead of its unpack (Note [Prefetching ...])
         self.ready: Any = None  # the event that value is ready on (side-stream executor)
         self.last: weakref.ref | None = None  # what consumed_task's unpack returned (a second read)
+
+
+def _took(h: Handle, task: int) -> None:
+    """Count one use of ``h`` taken by backward ``task`` (Note [One handle per saved value])."""
+    if h.consumed_task is None:
+        h.consumed_task, h.taken = task, 1
+    else:
+        h.taken += 1
 
 
 def _remember(h: Handle, v: Any) -> Any:
@@ -579,7 +609,6 @@ class Graph:
         self.epoch = 0
         # Weak references to the handles, in pack order (Note [Handles are weakly listed]).
         self._handle_refs: list[weakref.ref] = []
-        self.packed = 0  # handles created so far (their seq)
         self.stats = GraphStats()
         self.executor = executor
         self.create_graph = False  # set by the executor around each realize
@@ -740,15 +769,26 @@ class Graph:
         e = gmap._d.get(id(t)) if gmap is not None else None
         if e is not None and e() is t and (e.version is None or e.version == t._version):
             node, idx = e.node, e.idx  # Graph.ref, inlined: the common case
+            h = e.handle
+            if h is not None and h.consumed_task is None and h.prefetched is None:
+                node.held += 1  # saved again: the same handle (Note [One handle per saved value])
+                with self.lock:
+                    h.count += 1
+                    self.arm(node, idx)
+                return h
         else:
             frames = self.frames
             node, idx = self.ref(t, frames[-1].allow_mutation if frames else False)
+            e = gmap._d.get(id(t)) if gmap is not None else None  # the entry ref() made
+            if e is not None and (e() is not t or e.node is not node or e.idx != idx):
+                e = None
         node.held += 1
         with self.lock:
-            self.packed = seq = self.packed + 1
-            h = Handle(node, idx, seq)
+            h = Handle(node, idx)
             self.arm(node, idx)
             self._handle_refs.append(weakref.ref(h))
+        if e is not None:
+            e.handle = h
         return h
 
     # ---- backward side ------------------------------------------------------------
@@ -1031,21 +1071,22 @@ class Graph:
                 self._unpark(value)
                 return _remember(h, self.executor.hand_over(value, ready))
             task = torch._C._current_graph_task_id()
-            if task < 0 or h.consumed_task == task:
-                # Read outside backward, or a second time in the same backward (a custom
-                # Function reading ctx.saved_tensors twice): the value the first read
-                # returned if it is still alive, else one extra use of this value.
+            if task < 0 or (h.consumed_task == task and h.taken >= h.count):
+                # Read outside backward, or once more than it was saved in the same
+                # backward (a custom Function reading ctx.saved_tensors twice): the value
+                # the first read returned if it is still alive, else one extra use of
+                # this value (Note [One handle per saved value]).
                 v = h.last() if h.last is not None and task >= 0 else None
                 if v is not None:
                     return v
                 self.arm(h.node, h.idx)
                 return self.executor.realize(self, h.node, h.idx)
-            if h.consumed_task is not None:
+            if h.consumed_task is not None and h.consumed_task != task:
                 self._new_epoch(task)  # a retained graph differentiated again
             v = self._existing(h.node, h.idx) if self.executor.takes_existing else _MISSING
             if v is _MISSING:
                 v = self.executor.realize(self, h.node, h.idx)
-            h.consumed_task = task
+            _took(h, task)
             return _remember(h, v)
 
     def _backward_begins(self) -> None:
@@ -1094,22 +1135,26 @@ class Graph:
 
         Note [Handles are weakly listed]
             The graph keeps a plain weak reference to each handle, appended at pack time
-            (already in pack order), with no callback: a dead handle's reference stays
-            in the list until a walk finds it dead and compacts the list. Cheaper per
-            saved tensor than a WeakSet (no set entry, no callback when autograd frees
-            the handle in backward), and handles are walked only by prefetches and by a
-            retained graph's next backward.
+            (already in pack order), with no callback; a dead handle's reference stays
+            in the list (walks skip it). Cheaper per saved tensor than a WeakSet (no set
+            entry, no callback when autograd frees the handle in backward), and handles
+            are walked only by prefetches, by a retained graph's next backward and by
+            reports. The list is never reordered or shortened, so a handle's position
+            is its pack order and ``packed`` is the list's length: a handle carries no
+            sequence number of its own.
         """
+        return self.handles_since(0)
+
+    @property
+    def packed(self) -> int:
+        """Handles created so far (Note [Handles are weakly listed])."""
+        return len(self._handle_refs)
+
+    def handles_since(self, first: int) -> list[Handle]:
+        """Live handles packed after the first ``first`` ones, in pack order."""
         with self.lock:
-            live = []
-            refs = []
-            for r in self._handle_refs:
-                h = r()
-                if h is not None:
-                    live.append(h)
-                    refs.append(r)
-            self._handle_refs = refs
-        return live
+            refs = self._handle_refs[first:]
+        return [h for h in (r() for r in refs) if h is not None]
 
     def prefetch(self) -> int:
         """Realize every handle not yet consumed in this backward and park the value
@@ -1120,13 +1165,13 @@ class Graph:
         done = 0
         with self.lock:
             for h in self.live_handles():
-                if h.prefetched is not None or (h.consumed_task is not None and h.consumed_task == task):
+                if h.prefetched is not None or (h.consumed_task == task and h.taken >= h.count):
                     continue
-                if h.consumed_task is not None:
+                if h.consumed_task is not None and h.consumed_task != task:
                     self._new_epoch(task)
                 value, ready = self.executor.prefetch(self, h.node, h.idx)
                 h.prefetched, h.ready = value, ready
-                h.consumed_task = task
+                _took(h, task)  # the parked value is one unpack's use
                 self._park(value)
                 done += 1
         # A value this backward does not unpack (it stops early, or the graph belongs
@@ -1152,12 +1197,19 @@ class Graph:
 
     def _new_epoch(self, task: int) -> None:
         """A new backward over a retained graph: every handle consumed by an earlier one
-        gets its pending use back (parked prefetched values are still valid: kept)."""
+        gets the pending uses it took back (Note [One handle per saved value]); a parked
+        prefetched value is still valid and serves one unpack of this backward."""
         self.epoch += 1
         self.stats.backward_epochs += 1
         for chain in self.rng_chains:
             chain.rewind()
         for h in self.live_handles():
-            if h.consumed_task is not None and h.consumed_task != task and h.prefetched is None:
-                h.consumed_task = None
-                self.arm(h.node, h.idx)
+            if h.consumed_task is not None and h.consumed_task != task:
+                again = h.taken
+                if h.prefetched is not None:
+                    again -= 1
+                    h.consumed_task, h.taken = task, 1
+                else:
+                    h.consumed_task, h.taken = None, 0
+                for _ in range(again):
+                    self.arm(h.node, h.idx)

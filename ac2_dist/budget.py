@@ -847,7 +847,7 @@ class _BudgetRegion:
         if failed:
             self.records = []
             return
-        targets = {h.node.seq for h in graph.live_handles() if h.seq > self.first_handle}
+        targets = {h.node.seq for h in graph.handles_since(self.first_handle)}
         forced = {r.seq for r in self.records if r.node.saved is not None and all(s is not None for s in r.node.saved)}
         written = set()  # outputs written in place later: saving one would make the write a side effect
         for r in self.records:

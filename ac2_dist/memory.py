@@ -594,7 +594,7 @@ class Tracker:
         with a handle that no backward has read yet."""
         for ref in self._graph_refs[self._step_first_graph:-1]:
             g = ref()
-            if g is not None and any(h.consumed_task is None for h in list(g.handles)):
+            if g is not None and any(h.consumed_task is None or h.taken < h.count for h in list(g.handles)):
                 return True
         return False
 
