@@ -17,6 +17,14 @@ Note [Use counts free recomputed values as soon as consumed]
     (all handles are armed before backward starts: at pack time, or all together at
     the start of a retained second backward, see Note [Epochs]).
 
+Note [Use counts live in one array]
+    The pending uses of every node output of a graph are one ``array('q')``
+    (``Graph.uses``): a node of ``nout`` outputs gets ``nout`` consecutive counters
+    starting at its ``seq`` (seqs advance by ``nout``, so they stay increasing, in
+    program order). A node therefore owns no list of counters: one object fewer per
+    recorded op for the garbage collector to track, and 8 bytes per output instead of
+    a 64-byte list.
+
 Note [Epochs: retain_graph=True]
     Without ``retain_graph`` autograd frees each handle after unpacking it and a
     second backward fails inside autograd with its own "retain_graph" error. With it,
@@ -114,6 +122,7 @@ from __future__ import annotations
 import threading
 import types
 import weakref
+from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -313,6 +322,9 @@ class _Freed:
 
 
 FREED = _Freed()
+# Zeroed use counters for a node of n outputs (Note [Use counts live in one array]).
+_ONE_ZERO = (0,)
+_ZEROS = tuple(array("q", bytes(8 * n)) for n in range(16))
 _MISSING = object()  # Graph._existing: the value needs the executor
 
 
@@ -336,7 +348,7 @@ class Node:
         "inputs",
         "saved",
         "values",
-        "pending",
+        "nout",
         "scheduled",
         "fqn",
         "readers",
@@ -382,7 +394,7 @@ class Node:
         self.inputs: tuple = ()
         self.saved: list[Saved | None] | None = None
         self.values: list[Any] | None = None
-        self.pending = [0] * nout
+        self.nout = nout  # its use counts are Graph.uses[seq : seq + nout] (Note [Use counts live in one array])
         self.scheduled = False
         self.fqn = fqn
         self.readers = 0  # recorded recomputable ops that take one of its outputs
@@ -403,7 +415,7 @@ class Node:
 
     def set_saved(self, idx: int, saved: Saved) -> None:
         if self.saved is None:
-            self.saved = [None] * len(self.pending)
+            self.saved = [None] * self.nout
         self.saved[idx] = saved
 
     @property
@@ -604,7 +616,10 @@ class Graph:
     def __init__(self, executor: Any, frames: list) -> None:
         # tensor -> node output it currently is (TensorMap); dropped when forward ends
         self.map: TensorMap | None = TensorMap()
-        self.seq = 0
+        # Pending uses of every node output (Note [Use counts live in one array]); slot 0
+        # is unused (node seqs start at 1).
+        self.uses = array("q", _ONE_ZERO)
+        self.seq = 1
         self.lock = threading.RLock()
         self.epoch = 0
         # Weak references to the handles, in pack order (Note [Handles are weakly listed]).
@@ -644,9 +659,13 @@ class Graph:
         return chain
 
     def new_node(self, op: Any, nout: int, fqn: str = "") -> Node:
-        self.seq += 1
+        """A node whose outputs get the next ``nout`` use counters (Note [Use counts live
+        in one array])."""
+        seq = self.seq
+        self.seq = seq + nout
+        self.uses.extend(_ZEROS[nout] if nout < len(_ZEROS) else array("q", bytes(8 * nout)))
         self.stats.nodes += 1
-        return Node(op, self.seq, nout, fqn)
+        return Node(op, seq, nout, fqn)
 
     def leaf(
         self,
@@ -730,8 +749,9 @@ class Graph:
         )
         if node.op is None:
             return
+        uses, seq = self.uses, node.seq
         if node.scheduled and not any(
-            p > 0 and node.saved[i] is None for i, p in enumerate(node.pending)
+            uses[seq + i] > 0 and node.saved[i] is None for i in range(node.nout)
         ):
             # Armed for a compute that will not happen any more: give the inputs back
             # their pending uses (the exact reverse of arm()).
@@ -745,17 +765,18 @@ class Graph:
             node.kwargs = NO_KWARGS
 
     def _disarm(self, node: Node, idx: int) -> None:
+        uses = self.uses
         stack = [(node, idx)]
         while stack:
             n, i = stack.pop()
-            n.pending[i] -= 1
+            uses[n.seq + i] -= 1
             if n.saved is not None and n.saved[i] is not None:
                 continue
             if (
                 not n.cut
                 and n.scheduled
                 and n.values is None
-                and not any(p > 0 and (n.saved is None or n.saved[k] is None) for k, p in enumerate(n.pending))
+                and not any(uses[n.seq + k] > 0 and (n.saved is None or n.saved[k] is None) for k in range(n.nout))
             ):
                 n.scheduled = False
                 inp = n.inputs
@@ -795,7 +816,8 @@ class Graph:
     def arm(self, node: Node, idx: int) -> None:
         """Add one pending use of ``node[idx]`` (Note [Use counts ...]); saved values
         count their uses too (Note [Saved values die at their last use])."""
-        node.pending[idx] += 1
+        uses = self.uses
+        uses[node.seq + idx] += 1
         if node.scheduled or node.saved is not None and node.saved[idx] is not None:
             return  # the common cases: no walk (the first value is the one just armed)
         if node.cut or node.values is not None and node.values[idx] is not None:
@@ -805,7 +827,7 @@ class Graph:
         stack = list(zip(inp[1::3], inp[2::3]))
         while stack:
             n, i = stack.pop()
-            n.pending[i] += 1
+            uses[n.seq + i] += 1
             if n.saved is not None and n.saved[i] is not None:
                 continue
             if not n.cut and not (n.values is not None and n.values[i] is not None) and not n.scheduled:
@@ -815,17 +837,18 @@ class Graph:
 
     def take(self, node: Node, idx: int) -> Any:
         """Hand ``node[idx]`` to one consumer; drop the cached value at its last use."""
+        uses, k = self.uses, node.seq + idx
         if node.saved is not None and node.saved[idx] is not None:
             v = self._saved_value(node, idx)
-            node.pending[idx] -= 1
-            if node.pending[idx] <= 0 and node.held == 0 and node.op is not None:
+            uses[k] -= 1
+            if uses[k] <= 0 and node.held == 0 and node.op is not None:
                 self._free_saved(node, idx)
             return v
         values = node.values
         v = values[idx]
-        node.pending[idx] -= 1
-        if node.pending[idx] <= 0:
-            node.pending[idx] = 0
+        uses[k] -= 1
+        if uses[k] <= 0:
+            uses[k] = 0
             values[idx] = None
             if isinstance(v, torch.Tensor):
                 self.stats.cached_bytes -= tensor_nbytes(v)
@@ -837,7 +860,7 @@ class Graph:
         """Drop a saved op output whose last pending reader (a replay) has it, unless this
         backward retains the graph or a private replay may still read it (Note [Saved
         values die at their last use])."""
-        node.pending[idx] = 0
+        self.uses[node.seq + idx] = 0
         if (
             self.map is not None  # the region still records: a later op may read it
             or torch._C._autograd._get_current_graph_task_keep_graph()
@@ -1048,9 +1071,9 @@ class Graph:
     def _keep(self, node: Node, flat: list[Any]) -> None:
         """Cache the outputs of a replayed node that consumers wait for."""
         stats = self.stats
-        pending = node.pending
+        uses, seq = self.uses, node.seq
         for i, v in enumerate(flat):
-            if isinstance(v, torch.Tensor) and pending[i] > 0 and (node.saved is None or node.saved[i] is None):
+            if isinstance(v, torch.Tensor) and uses[seq + i] > 0 and (node.saved is None or node.saved[i] is None):
                 stats.cached_bytes += tensor_nbytes(v)
             else:
                 flat[i] = None

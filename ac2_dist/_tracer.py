@@ -453,7 +453,7 @@ class Tracer(TorchDispatchMode):
             if node is eb.node and idx == eb.idx:
                 break
             if node.via is not None:  # the view an earlier replayable write returned
-                if idx != 0 or len(node.pending) != 2:
+                if idx != 0 or node.nout != 2:
                     return None
                 steps[:0] = node.via
                 idx = 1
