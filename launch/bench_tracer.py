@@ -2,8 +2,8 @@
 
 One region holding a chain of tiny ops (``tanh`` then ``mul`` by a weight, 16-element
 tensors: the per-op Python cost dominates), at 1k, 4k, 16k and 64k ops, one thread.
-Modes, interleaved in one process (every mode once per round, so machine drift hits all
-alike; medians over the rounds):
+Modes, interleaved in one process (every mode at every size once per round, so machine
+drift hits all alike, the growth with size included; medians over the rounds):
 
 - ``eager``: no checkpointing;
 - ``torch-full``: ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``;
@@ -126,32 +126,34 @@ def one_step(fn: Callable, x: torch.Tensor, w: torch.Tensor) -> tuple[float, flo
 
 
 def measure(sizes: list[int], rounds: int, warmup: int, modes: list[str]) -> dict[int, dict[str, dict]]:
+    """Every (size, mode) once per round, interleaved: machine drift during the run hits
+    every size alike, so the growth from 1k to 64k ops is not a drift between sizes."""
     x = torch.randn(16, requires_grad=True)
     w = torch.randn(16, requires_grad=True)
-    results: dict[int, dict[str, dict]] = {}
-    for n in sizes:
-        fns = {m: forward_fn(m, n) for m in modes}
-        for _ in range(warmup):
-            for fn in fns.values():
-                one_step(fn, x, w)
-        times: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in modes}
-        grads: dict[str, torch.Tensor] = {}
-        for _ in range(rounds):
-            for m, fn in fns.items():
-                f, b = one_step(fn, x, w)
-                times[m][0].append(f)
-                times[m][1].append(b)
-                grads[m] = x.grad.clone()
-        for m in modes:  # every mode computes the same gradient
-            if not torch.equal(grads[m], grads["eager"]):
-                raise AssertionError(f"{m}: gradient differs from eager's at {n} ops")
-        results[n] = {
-            m: {"fwd_us": statistics.median(times[m][0]) / n * 1e6,
-                "bwd_us": statistics.median(times[m][1]) / n * 1e6,
-                "fwd_s": times[m][0], "bwd_s": times[m][1]}
+    fns = {(n, m): forward_fn(m, n) for n in sizes for m in modes}
+    for _ in range(warmup):
+        for fn in fns.values():
+            one_step(fn, x, w)
+    times: dict[tuple[int, str], tuple[list[float], list[float]]] = {k: ([], []) for k in fns}
+    grads: dict[tuple[int, str], torch.Tensor] = {}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            f, b = one_step(fn, x, w)
+            times[k][0].append(f)
+            times[k][1].append(b)
+            grads[k] = x.grad.clone()
+    for (n, m), g in grads.items():  # every mode computes the same gradient
+        if not torch.equal(g, grads[n, "eager"]):
+            raise AssertionError(f"{m}: gradient differs from eager's at {n} ops")
+    return {
+        n: {
+            m: {"fwd_us": statistics.median(times[n, m][0]) / n * 1e6,
+                "bwd_us": statistics.median(times[n, m][1]) / n * 1e6,
+                "fwd_s": times[n, m][0], "bwd_s": times[n, m][1]}
             for m in modes
         }
-    return results
+        for n in sizes
+    }
 
 
 def heap_per_op(n_ops: int, policy: Any) -> float:
