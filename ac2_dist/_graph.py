@@ -324,12 +324,14 @@ class _Freed:
 FREED = _Freed()
 # Zeroed use counters for a node of n outputs (Note [Use counts live in one array]).
 _ONE_ZERO = (0,)
+_new_object = object.__new__
 _ZEROS = tuple(array("q", bytes(8 * n)) for n in range(16))
 _MISSING = object()  # Graph._existing: the value needs the executor
 
 
 class Node:
-    """One recorded op call. Leaves (``op is None``) are region inputs.
+    """One recorded op call. Leaves (``op is None``) are region inputs. Made by
+    :meth:`Graph.new_node` only (it sets every slot).
 
     Note [Rare node fields live in a lazy dict]
         The tracer makes one node per op, so the node is kept small: the fields every
@@ -358,6 +360,20 @@ class Node:
         "__dict__",
         "__weakref__",
     )
+    op: Any
+    seq: int
+    args: tuple
+    kwargs: Mapping[str, Any]
+    inputs: tuple
+    saved: list[Saved | None] | None
+    values: list[Any] | None
+    nout: int
+    scheduled: bool
+    fqn: str
+    readers: int
+    held: int
+    viewed: bool
+    viewers: int
 
     # ---- rare fields: class defaults (Note [Rare node fields live in a lazy dict]) ----
     lists = False  # args/kwargs hold lists with tensor slots
@@ -382,28 +398,6 @@ class Node:
     # Accumulator arguments a replay fills with scratch zeros, as (position, shape,
     # dtype, device) (Note [Statistics an op accumulates] in side_effects.py).
     scratch: tuple = ()
-
-    def __init__(self, op: Any, seq: int, nout: int, fqn: str = "") -> None:
-        self.op = op
-        self.seq = seq
-        self.args: tuple = ()
-        self.kwargs: Mapping[str, Any] = NO_KWARGS
-        # For every tensor argument its position, producer node and producer output
-        # index, flat: (pos, node, idx, pos, node, idx, ...) (Note [Node inputs are one
-        # flat tuple]); () for leaves and saved nodes. Read with input_refs/producers.
-        self.inputs: tuple = ()
-        self.saved: list[Saved | None] | None = None
-        self.values: list[Any] | None = None
-        self.nout = nout  # its use counts are Graph.uses[seq : seq + nout] (Note [Use counts live in one array])
-        self.scheduled = False
-        self.fqn = fqn
-        self.readers = 0  # recorded recomputable ops that take one of its outputs
-        self.held = 0  # handles (autograd saved tensors) created on one of its outputs
-        # a view of one of its outputs was recorded, or its output aliases a value the
-        # region did not record (then also ``aliased``; Note [Aliases a schema does not
-        # declare] in _tracer.py)
-        self.viewed = False
-        self.viewers = 0  # recorded view ops that take one of its outputs as their source
 
     def __repr__(self) -> str:
         return f"Node({self.op or 'input'}, seq={self.seq})"
@@ -555,6 +549,7 @@ def _wrapped_fqn(module: Any, default: str) -> str:
 
 class Handle:
     """What autograd keeps instead of a saved tensor: a pointer to a node output.
+    Made by :meth:`Graph.pack` only (it sets every slot).
 
     A handle has no reference to its graph: autograd keeps the graph's bound
     ``unpack`` beside every handle (the region's saved-tensor hooks), which is how an
@@ -577,17 +572,16 @@ class Handle:
 
     __slots__ = ("node", "idx", "count", "consumed_task", "taken", "prefetched", "ready", "last", "__weakref__")
 
-    def __init__(self, node: Node, idx: int) -> None:
-        self.node = node
-        self.idx = idx
-        self.count = 1  # saved variables sharing it (Note [One handle per saved value])
-        # The autograd GraphTask (one backward call) that consumed this handle's pending
-        # uses, if any, and how many it took (Note [Epochs: retain_graph=True]).
-        self.consumed_task: int | None = None
-        self.taken = 0
-        self.prefetched: Any = None  # value realized ahead of its unpack (Note [Prefetching ...])
-        self.ready: Any = None  # the event that value is ready on (side-stream executor)
-        self.last: weakref.ref | None = None  # what consumed_task's unpack returned (a second read)
+    node: Node
+    idx: int
+    count: int  # saved variables sharing it (Note [One handle per saved value])
+    # The autograd GraphTask (one backward call) that consumed this handle's pending
+    # uses, if any, and how many it took (Note [Epochs: retain_graph=True]).
+    consumed_task: int | None
+    taken: int
+    prefetched: Any  # value realized ahead of its unpack (Note [Prefetching ...])
+    ready: Any  # the event that value is ready on (side-stream executor)
+    last: weakref.ref | None  # what consumed_task's unpack returned (a second read)
 
 
 def _took(h: Handle, task: int) -> None:
@@ -665,7 +659,30 @@ class Graph:
         self.seq = seq + nout
         self.uses.extend(_ZEROS[nout] if nout < len(_ZEROS) else array("q", bytes(8 * nout)))
         self.stats.nodes += 1
-        return Node(op, seq, nout, fqn)
+        # The fields every node sets (Note [Rare node fields live in a lazy dict]),
+        # without a Python __init__ call: the tracer makes one node per recorded op.
+        node = _new_object(Node)
+        node.op = op
+        node.seq = seq
+        node.args = ()
+        node.kwargs = NO_KWARGS
+        # For every tensor argument its position, producer node and producer output
+        # index, flat: (pos, node, idx, pos, node, idx, ...) (Note [Node inputs are one
+        # flat tuple]); () for leaves and saved nodes. Read with input_refs/producers.
+        node.inputs = ()
+        node.saved = None  # list[Saved | None] once an output is saved
+        node.values = None  # list of recomputed values, during backward
+        node.nout = nout  # its use counts are Graph.uses[seq : seq + nout] (Note [Use counts live in one array])
+        node.scheduled = False
+        node.fqn = fqn
+        node.readers = 0  # recorded recomputable ops that take one of its outputs
+        node.held = 0  # handles (autograd saved tensors) created on one of its outputs
+        # a view of one of its outputs was recorded, or its output aliases a value the
+        # region did not record (then also ``aliased``; Note [Aliases a schema does not
+        # declare] in _tracer.py)
+        node.viewed = False
+        node.viewers = 0  # recorded view ops that take one of its outputs as their source
+        return node
 
     def leaf(
         self,
@@ -793,9 +810,16 @@ class Graph:
             h = e.handle
             if h is not None and h.consumed_task is None and h.prefetched is None:
                 node.held += 1  # saved again: the same handle (Note [One handle per saved value])
-                with self.lock:
+                lock = self.lock
+                lock.acquire()  # not `with`: half the cost, once per saved tensor (hot path)
+                try:
                     h.count += 1
-                    self.arm(node, idx)
+                    if node.scheduled or node.saved is not None and node.saved[idx] is not None:
+                        self.uses[node.seq + idx] += 1  # arm()'s common case, inlined: no walk
+                    else:
+                        self.arm(node, idx)
+                finally:
+                    lock.release()
                 return h
         else:
             frames = self.frames
@@ -804,10 +828,16 @@ class Graph:
             if e is not None and (e() is not t or e.node is not node or e.idx != idx):
                 e = None
         node.held += 1
-        with self.lock:
-            h = Handle(node, idx)
+        h = _new_object(Handle)  # every slot set here (no Python __init__ call: one per saved value)
+        h.node, h.idx, h.count, h.consumed_task, h.taken = node, idx, 1, None, 0
+        h.prefetched = h.ready = h.last = None
+        lock = self.lock
+        lock.acquire()
+        try:
             self.arm(node, idx)
             self._handle_refs.append(weakref.ref(h))
+        finally:
+            lock.release()
         if e is not None:
             e.handle = h
         return h
@@ -823,17 +853,21 @@ class Graph:
         if node.cut or node.values is not None and node.values[idx] is not None:
             return
         node.scheduled = True
-        inp = node.inputs
-        stack = list(zip(inp[1::3], inp[2::3]))
-        while stack:
-            n, i = stack.pop()
-            uses[n.seq + i] += 1
-            if n.saved is not None and n.saved[i] is not None:
-                continue
-            if not n.cut and not (n.values is not None and n.values[i] is not None) and not n.scheduled:
-                n.scheduled = True
-                inp = n.inputs
-                stack.extend(zip(inp[1::3], inp[2::3]))
+        # A stack of input tuples, walked in place (Note [Node inputs are one flat
+        # tuple]): no tuple per edge. Each edge is counted once, when its consumer is
+        # scheduled; the order does not matter (counts only).
+        todo = [node.inputs]
+        while todo:
+            inp = todo.pop()
+            for k in range(1, len(inp), 3):
+                n = inp[k]
+                i = inp[k + 1]
+                uses[n.seq + i] += 1
+                if n.saved is not None and n.saved[i] is not None:
+                    continue
+                if not n.scheduled and not n.cut and not (n.values is not None and n.values[i] is not None):
+                    n.scheduled = True
+                    todo.append(n.inputs)
 
     def take(self, node: Node, idx: int) -> Any:
         """Hand ``node[idx]`` to one consumer; drop the cached value at its last use."""

@@ -157,6 +157,15 @@ def op_from_name(name: str) -> Any:
         ) from e
 
 
+def _by_id(table: dict[Any, Decision] | None) -> dict[int, tuple[Decision, bool]] | None:
+    """A table's answers keyed by ``id(op)``, with ``is_save`` of each (the tracer's
+    lookup: ``OpOverload.__hash__`` is a Python call per op, ``id`` is not). The table
+    holds its ops, so no listed op's id is reused while the frame lives."""
+    if table is None:
+        return None
+    return {id(op): (d, is_save(d)) for op, d in table.items()}
+
+
 class _Frame:
     """One entered region's policy, normalized.
 
@@ -179,7 +188,7 @@ class _Frame:
     """
 
     __slots__ = (
-        "const", "const_save", "table", "fn", "name", "rng", "allow_mutation", "module_fqn", "per_region",
+        "const", "const_save", "table", "by_id", "fn", "name", "rng", "allow_mutation", "module_fqn", "per_region",
     )
 
     def __init__(
@@ -236,6 +245,7 @@ class _Frame:
         else:
             raise TypeError(f"ac2_dist: unsupported policy {policy!r}; accepted policies: {ACCEPTED_FORMS}")
         self.const_save = self.const is not None and is_save(self.const)
+        self.by_id = _by_id(self.table)
 
     def for_region(self) -> _Frame:
         """The frame one region entry uses: this one, or for a region-scoped policy a
@@ -243,7 +253,7 @@ class _Frame:
         if self.per_region is None:
             return self
         frame = _Frame.__new__(_Frame)
-        frame.const, frame.const_save, frame.table, frame.per_region = None, False, None, None
+        frame.const, frame.const_save, frame.table, frame.by_id, frame.per_region = None, False, None, None, None
         frame.fn = self.per_region.new_region_policy(self.module_fqn)
         frame.name, frame.rng, frame.allow_mutation, frame.module_fqn = (
             self.name, self.rng, self.allow_mutation, self.module_fqn)
@@ -266,6 +276,7 @@ def _restore_frame(const, table, fn, name, rng, allow_mutation, module_fqn, per_
     frame = _Frame.__new__(_Frame)
     frame.const, frame.fn, frame.name, frame.per_region = const, fn, name, per_region
     frame.table = None if table is None else {op_from_name(n): d for n, d in table}
+    frame.by_id = _by_id(frame.table)
     frame.rng, frame.allow_mutation, frame.module_fqn = rng, allow_mutation, module_fqn
     frame.const_save = const is not None and is_save(const)
     return frame

@@ -50,7 +50,8 @@ Note [Aliases a schema does not declare]
     autograd handle): then, in a replay, the partner's value is consumed by the alias
     alone and writing into it disturbs nothing (matmul's internal ``mm`` output).
     Otherwise the write is a side effect (Note [Replaying writes to fresh tensors] in
-    _graph.py).
+    _graph.py). ATen's pointwise ops allocate their outputs (``OpInfo.fresh_output``):
+    they skip the storage comparison, two ``data_ptr()`` calls per recorded op.
 
 Note [Dynamo inside a region]
     TorchDispatchMode wraps ``__torch_dispatch__`` in a dynamo-disable shim (~4 us per
@@ -75,7 +76,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._graph import Graph, Node, Saved, alias, flatten_outputs, version_of
 from ._policy import PolicyContext, is_save, resolve
-from .compile import is_compiling as _compiling
+from .compile import COMPILER_STATE as _COMPILER
 from .compile import skip_dynamo as _skip_dynamo
 from .replay import default_generator
 from .side_effects import _INFO, SideEffect, hop_writes, op_info
@@ -88,6 +89,10 @@ except ImportError:  # torch built without distributed
 _CP = torch.utils.checkpoint.CheckpointPolicy
 _Tensor = torch.Tensor
 _inference_mode = torch.is_inference_mode_enabled
+# Enum members as module constants: ``_CP.MUST_RECOMPUTE`` is a class attribute lookup
+# through the enum's metaclass, ~5x a global's cost, once per recorded op.
+_MUST_RECOMPUTE = _CP.MUST_RECOMPUTE
+_RECOMPUTE = (_CP.PREFER_RECOMPUTE, False)  # an op a save-list does not name (and ignored ops)
 _NONE = SideEffect.NONE
 _MUTATION = SideEffect.MUTATION
 _COMMUNICATING = (SideEffect.COLLECTIVE, SideEffect.FSDP, SideEffect.REGISTERED)
@@ -105,15 +110,6 @@ def _rng_device(args: tuple, kwargs: dict) -> torch.device:
             return a.device
     dev = kwargs.get("device")
     return torch.device(dev) if dev is not None else torch.device("cpu")
-
-
-def _same_start(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``a`` starts where ``b``'s (non-empty) data starts: ``a`` aliases ``b`` (what an
-    ``_unsafe_view`` output does). False for tensors without data."""
-    try:
-        return a.data_ptr() == b.data_ptr() and b.numel() > 0
-    except (RuntimeError, NotImplementedError):  # no storage (e.g. wrapper tensors of collectives)
-        return False
 
 
 class _CollectiveProbe(TorchDispatchMode):
@@ -146,7 +142,7 @@ class _CollectiveProbe(TorchDispatchMode):
         if types and _DTensor is not None and any(issubclass(t, _DTensor) for t in types):
             return NotImplemented
         if self.hit is None:
-            info = _INFO.get(func) or op_info(func)
+            info = _INFO.get(id(func)) or op_info(func)
             if info.side_effect in _COMMUNICATING:
                 self.hit = func
         return func(*args, **(kwargs or {}))
@@ -183,13 +179,13 @@ class Tracer(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         state = self.state
-        if state.replaying or _compiling():  # Note [Dynamo inside a region]
+        if state.replaying or _COMPILER._is_compiling_flag:  # Note [Dynamo inside a region]
             return func(*args, **kwargs)
         if _inference_mode():  # Note [What inference mode records]
-            if (_INFO.get(func) or op_info(func)).is_rng:
+            if (_INFO.get(id(func)) or op_info(func)).is_rng:
                 self.graph.open_chains.clear()  # an unrecorded draw: chains restart after it
             return func(*args, **kwargs)
-        info = _INFO.get(func) or op_info(func)
+        info = _INFO.get(id(func)) or op_info(func)
         if info.higher_order:
             return self._higher_order(func, args, kwargs)
         frames = state.frames
@@ -225,9 +221,11 @@ class Tracer(TorchDispatchMode):
 
         # ---- decide (Note [What the tracer decides per op]) ----------------------
         if info.ignored:
-            decision, save = _CP.PREFER_RECOMPUTE, False
+            decision, save = _RECOMPUTE
         elif len(frames) == 1 and inner.const is not None:
             decision, save = inner.const, inner.const_save
+        elif len(frames) == 1 and inner.by_id is not None:  # a save-list / dict policy
+            decision, save = inner.by_id.get(id(func), _RECOMPUTE)
         else:
             ctx = self.ctx
             ctx.op_output = out
@@ -282,7 +280,7 @@ class Tracer(TorchDispatchMode):
             if rng is not None:
                 node.rng = (rng.index, len(rng.nodes))
                 rng.nodes.append(node)
-            if decision is _CP.MUST_RECOMPUTE:  # Note [Rare node fields live in a lazy dict]
+            if decision is _MUST_RECOMPUTE:  # Note [Rare node fields live in a lazy dict]
                 node.must_recompute = True
             if fresh:  # Note [Replaying writes to fresh tensors] (_graph.py)
                 node.writes = info.written
@@ -317,15 +315,21 @@ class Tracer(TorchDispatchMode):
                               counter=counter, offload=graph.offload),
                     )
         if (
-            single and src is None and not writes and not types and not info.returns_alias and args
-            and isinstance(args[0], _Tensor) and _same_start(out, args[0])
-        ):  # Note [Aliases a schema does not declare]
-            e = gmap.get(args[0])
-            if e is None:
-                node.viewed = node.aliased = True
-            else:
-                node.alias_of = (e.node, e.idx)
-                e.node.aliased = True
+            single and src is None and not writes and not types and not info.returns_alias
+            and not info.fresh_output and args and isinstance(args[0], _Tensor)
+        ):  # Note [Aliases a schema does not declare]: does out start where args[0]'s data does?
+            a0 = args[0]
+            try:
+                shared = out.data_ptr() == a0.data_ptr() and a0.numel() > 0
+            except (RuntimeError, NotImplementedError):  # no storage (sparse, wrappers of collectives)
+                shared = False
+            if shared:
+                e = gmap.get(a0)
+                if e is None:
+                    node.viewed = node.aliased = True
+                else:
+                    node.alias_of = (e.node, e.idx)
+                    e.node.aliased = True
         if single and src is None and not bump:
             gmap.set(out, node, 0, out._version)  # the common case of the loop below
         else:
@@ -458,7 +462,7 @@ class Tracer(TorchDispatchMode):
                 steps[:0] = node.via
                 idx = 1
                 continue
-            src = (_INFO.get(node.op) or op_info(node.op)).view_src
+            src = (_INFO.get(id(node.op)) or op_info(node.op)).view_src
             if src is None or node.lists or len(node.inputs) != 3 or node.inputs[0] != src:
                 return None
             steps.insert(0, (node.op, node.args, node.kwargs, src))
@@ -499,15 +503,15 @@ class Tracer(TorchDispatchMode):
     @staticmethod
     def _recomputable(graph: Graph, func, info, args, kwargs, nout, frame, scratch=()) -> Node:
         node = graph.new_node(func, nout, frame.module_fqn)
-        inputs: list = []  # Note [Node inputs are one flat tuple] (_graph.py)
+        # Note [Node inputs are one flat tuple] (_graph.py), in argument order. Built by
+        # tuple concatenation (arguments are few); a tensor list (cat of many) in one step.
+        inputs: tuple = ()
         allow = frame.allow_mutation
-        targs = list(args)
+        targs = None  # args with tensors replaced by None, made only if some are not tensors
         view_src = info.view_src
         gmap_get = graph.map._d.get
-        plain = True  # every positional argument is a tensor or None
         for i, a in enumerate(args):
             if isinstance(a, _Tensor):
-                targs[i] = None
                 if scratch and i in scratch:  # Note [Statistics an op accumulates] (side_effects.py)
                     node.scratch += ((i, a.shape, a.dtype, a.device),)
                     continue
@@ -521,23 +525,28 @@ class Tracer(TorchDispatchMode):
                     m.viewed = True
                     m.viewers += 1
                 inputs += (i, m, j)
-            elif info.has_tensor_lists and type(a) in (list, tuple):
-                plain = False
-                lst = list(a)
-                for k, e in enumerate(a):
-                    if isinstance(e, _Tensor):
-                        m, j = graph.ref(e, allow)
-                        m.readers += 1
-                        inputs += ((i, k), m, j)
-                        lst[k] = None
-                        node.lists = True
-                targs[i] = lst
             elif a is not None:
-                plain = False
-        n = len(targs)
+                if targs is None:
+                    targs = [None if isinstance(t, _Tensor) else t for t in args]
+                if info.has_tensor_lists and type(a) in (list, tuple):
+                    lst = list(a)
+                    listed: list = []
+                    for k, e in enumerate(a):
+                        if isinstance(e, _Tensor):
+                            m, j = graph.ref(e, allow)
+                            m.readers += 1
+                            listed += ((i, k), m, j)
+                            lst[k] = None
+                            node.lists = True
+                    inputs += tuple(listed)
+                    targs[i] = lst
+        n = len(args)
         # Note [Rare node fields live in a lazy dict] (_graph.py): all-tensor arguments
         # share one tuple of Nones per length.
-        node.args = _NONES[n] if plain and n < len(_NONES) else tuple(targs)
+        if targs is not None:
+            node.args = tuple(targs)
+        else:
+            node.args = _NONES[n] if n < len(_NONES) else (None,) * n
         if kwargs:
             tkw = dict(kwargs)
             for k, v in kwargs.items():
@@ -548,14 +557,16 @@ class Tracer(TorchDispatchMode):
                     tkw[k] = None
                 elif info.has_tensor_lists and type(v) in (list, tuple):
                     lst = list(v)
+                    listed = []
                     for n, e in enumerate(v):
                         if isinstance(e, _Tensor):
                             m, j = graph.ref(e, allow)
                             m.readers += 1
-                            inputs += ((k, n), m, j)
+                            listed += ((k, n), m, j)
                             lst[n] = None
                             node.lists = True
+                    inputs += tuple(listed)
                     tkw[k] = lst
             node.kwargs = tkw
-        node.inputs = tuple(inputs)
+        node.inputs = inputs
         return node

@@ -156,6 +156,21 @@ def is_region_scoped(policy: Any) -> bool:
 is_compiling = torch.compiler.is_compiling
 
 
+class _CompilerFlag:
+    """``torch.compiler._is_compiling_flag`` for a torch that has none."""
+
+    @property
+    def _is_compiling_flag(self) -> bool:
+        return torch.compiler.is_compiling()
+
+
+#: ``COMPILER_STATE._is_compiling_flag`` is what :func:`is_compiling` returns in a frame
+#: dynamo does not trace (``torch.jit.is_scripting()`` is False there), read as an
+#: attribute: the tracer's check per op (Note [Dynamo inside a region] in _tracer.py)
+#: costs no Python call.
+COMPILER_STATE: Any = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CompilerFlag()
+
+
 class CompiledPolicy:
     """ac2's policy as a torch selective-checkpoint policy (Note [One policy, two executors])."""
 

@@ -10,7 +10,10 @@ Note [Op-info cache is a memo, not state]
     ``_INFO`` maps an ``OpOverload`` to immutable facts about its schema. It is the
     only module-level dictionary in the package and it never holds tensors, regions
     or per-thread data; clearing it at any time is always safe (it is rebuilt on the
-    next lookup).
+    next lookup). It is keyed by ``id(op)``: ``OpOverload.__hash__`` is a Python
+    method, one call per recorded op on the tracer's path, ``id`` is not. Every entry
+    holds its op (``OpInfo.op``), so an op in the cache is never freed and its id
+    never reused by another object while the entry lives.
 """
 
 from __future__ import annotations
@@ -99,6 +102,12 @@ class OpInfo:
     accumulators: tuple[int, ...] = ()
     #: If set, the op accumulates only when ``args[accumulate_flag]`` is true (training).
     accumulate_flag: int | None = None
+    #: An ATen pointwise op that neither writes nor declares an alias: its output is new
+    #: storage (TensorIterator allocates it), so the tracer skips the check for outputs
+    #: that alias an input undeclared (Note [Aliases a schema does not declare] in
+    #: _tracer.py). ``_unsafe_view`` and ``unsafe_split``, the ATen ops that do alias
+    #: undeclared, are not pointwise; other namespaces (custom ops) are always checked.
+    fresh_output: bool = False
 
     def writes(self, args: tuple) -> bool:
         """True if this call writes one of its arguments."""
@@ -131,7 +140,7 @@ class OpInfo:
         return args[idx] if idx < len(args) else kwargs.get(name)
 
 
-_INFO: dict[torch._ops.OpOverload, OpInfo] = {}
+_INFO: dict[int, OpInfo] = {}  # id(op) -> facts (Note [Op-info cache is a memo, not state])
 
 
 class _Registry:
@@ -312,6 +321,8 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
         view_src=view_src,
         accumulators=accumulators,
         accumulate_flag=accumulate_flag,
+        fresh_output=(op.namespace == "aten" and torch.Tag.pointwise in op.tags and not returns_alias
+                      and not written),
     )
 
 
@@ -329,7 +340,7 @@ def hop_writes(op: torch._ops.HigherOrderOperator, args: tuple, kwargs: dict) ->
 
 def op_info(op: torch._ops.OpOverload) -> OpInfo:
     """Return the cached :class:`OpInfo` of ``op`` (built on first use)."""
-    info = _INFO.get(op)
+    info = _INFO.get(id(op))
     if info is None:
-        info = _INFO[op] = _build(op)
+        info = _INFO[id(op)] = _build(op)
     return info
