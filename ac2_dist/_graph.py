@@ -129,13 +129,14 @@ from typing import Any
 
 import torch
 
-from ._compat import CPU_OFFLOAD
+from ._compat import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD
 from ._policy import SAVE_WITH_HOOKS, Decision
 from .compile import skip_dynamo
 from .fsdp import ensure_unsharded
 
 _CP = torch.utils.checkpoint.CheckpointPolicy
-_OFFLOAD = CPU_OFFLOAD
+# Compared by identity: ``d in CPU_OFFLOAD`` hashes the enum (a Python call) per saved value.
+_MUST_OFFLOAD, _PREFER_OFFLOAD = MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD
 _AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
 
 #: The ``kwargs`` of a node whose op got none (read-only, shared).
@@ -235,7 +236,7 @@ class Saved:
             self.value = decision.pack(t if keep_identity else alias(t))
             self.reason = "offloaded"
             return
-        if decision in _OFFLOAD:
+        if decision is _MUST_OFFLOAD or decision is _PREFER_OFFLOAD:
             self.reason = "offloaded"
             if offload is not None and offload.takes(t):
                 self.offloaded = True

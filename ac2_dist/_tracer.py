@@ -172,7 +172,6 @@ class Tracer(TorchDispatchMode):
         self.state = state
         self.ctx = ctx
         self.probe = _CollectiveProbe()
-        self._owners: dict[Any, str] = {}  # op -> "output of <op>" (formatted once per op)
 
     @_skip_dynamo
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: C901 - hot path
@@ -305,13 +304,10 @@ class Tracer(TorchDispatchMode):
                         version = view_version
                     else:
                         version = o._version + bump if bump and id(o) in written else None
-                    owner = self._owners.get(func)
-                    if owner is None:
-                        owner = self._owners[func] = f"output of {func}"
                     node.set_saved(
                         i,
                         Saved(o, decision, reason=reason, allow_mutation=inner.allow_mutation,
-                              keep_identity=keep, owner=owner, version=version,
+                              keep_identity=keep, owner=info.owner, version=version,
                               counter=counter, offload=graph.offload),
                     )
         if (

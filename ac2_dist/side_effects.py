@@ -108,6 +108,8 @@ class OpInfo:
     #: _tracer.py). ``_unsafe_view`` and ``unsafe_split``, the ATen ops that do alias
     #: undeclared, are not pointwise; other namespaces (custom ops) are always checked.
     fresh_output: bool = False
+    #: ``"output of <op>"``: what error messages call a value this op saved.
+    owner: str = ""
 
     def writes(self, args: tuple) -> bool:
         """True if this call writes one of its arguments."""
@@ -260,7 +262,7 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
     if schema is None:  # a higher-order op (Note [Higher-order operators]): never replayed
         return OpInfo(
             op, False, SideEffect.OPAQUE, (), False, None, None, None, False, True, True,
-            higher_order=isinstance(op, torch._ops.HigherOrderOperator),
+            higher_order=isinstance(op, torch._ops.HigherOrderOperator), owner=f"output of {op}",
         )
     written: list[int | str] = []
     dropout_arg = generator_arg = None
@@ -323,6 +325,7 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
         accumulate_flag=accumulate_flag,
         fresh_output=(op.namespace == "aten" and torch.Tag.pointwise in op.tags and not returns_alias
                       and not written),
+        owner=f"output of {op}",
     )
 
 
