@@ -147,3 +147,35 @@ def test_gc_tracked_objects_per_recorded_op(policy):
     del out
     limit = 3.1 if policy == "recompute_all" else 4.1  # a saved mul also keeps its Saved and tensor
     assert per_op <= limit, per_op
+
+
+def test_only_aten_pointwise_ops_skip_the_undeclared_alias_check():
+    # Note [Aliases a schema does not declare]: the tracer compares storages of an op's
+    # output and first argument unless the op is an ATen pointwise op that neither
+    # writes nor declares an alias (OpInfo.fresh_output). The ATen ops that do alias
+    # undeclared (_unsafe_view, unsafe_split) must never be among those.
+    from ac2_dist.side_effects import op_info
+
+    aten = torch.ops.aten
+    for op in (aten.tanh.default, aten.mul.Tensor, aten.add.Tensor, aten.where.self, aten.clone.default):
+        assert op_info(op).fresh_output, op
+    for op in (
+        aten._unsafe_view.default, aten.unsafe_split.Tensor, aten.unsafe_chunk.default, aten.mm.default,
+        aten.add_.Tensor, aten.mul.out, aten.t.default, aten.alias.default, aten.positive.default,
+        aten.native_dropout.default, aten._to_copy.default,
+    ):
+        assert not op_info(op).fresh_output, op
+
+
+def test_op_facts_are_cached_per_op_object():
+    # Note [Op-info cache is a memo, not state]: keyed by id(op), each entry holding
+    # its op, so two ops never share an entry and a cleared cache is rebuilt.
+    from ac2_dist import side_effects
+
+    aten = torch.ops.aten
+    a, b = side_effects.op_info(aten.tanh.default), side_effects.op_info(aten.mul.Tensor)
+    assert a.op is aten.tanh.default and b.op is aten.mul.Tensor
+    assert side_effects.op_info(aten.tanh.default) is a
+    assert a.owner == "output of aten.tanh.default"
+    side_effects._INFO.clear()
+    assert side_effects.op_info(aten.tanh.default) == a
