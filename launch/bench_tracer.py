@@ -26,8 +26,14 @@ op (``tracemalloc``, the graph of one ``ac2-full`` / ``ac2-save`` forward still 
 as a diagnostic, ``ac2-full``'s forward with the cyclic garbage collector paused during the
 timed forward (what the growth with region length is made of).
 
+With ``--baseline DIR`` (a checkout of another ac2_dist revision, e.g. made by ``git
+worktree add /tmp/base <rev>``), that revision's package is imported beside this one (as
+``ac2_baseline``) and measured in the same rounds as ``base-full`` and ``base-save``: the
+printed ``this / baseline`` ratios are paired per round, so machine drift cancels.
+
     python launch/bench_tracer.py                      # 1k 4k 16k 64k ops, 5 rounds
     python launch/bench_tracer.py --sizes 1000 4000 --rounds 3
+    python launch/bench_tracer.py --baseline /tmp/base # and the revision checked out there
 """
 
 from __future__ import annotations
@@ -35,9 +41,13 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import importlib
 import json
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -90,11 +100,12 @@ def forward_fn(mode: str, n_ops: int) -> Callable[[torch.Tensor, torch.Tensor], 
     if mode == "torch-sac":
         ctx = functools.partial(create_selective_checkpoint_contexts, SAVE)
         return lambda x, w: checkpoint(run, x, w, use_reentrant=False, context_fn=ctx)
-    if mode in ("ac2-full", "ac2-save"):
-        policy: Any = "recompute_all" if mode == "ac2-full" else SAVE
+    if mode in ("ac2-full", "ac2-save", "base-full", "base-save"):
+        policy: Any = "recompute_all" if mode.endswith("-full") else SAVE
+        pkg = ac if mode.startswith("ac2") else importlib.import_module("ac2_baseline")
 
         def region(x, w):
-            with ac.apply_ac_policy(policy):
+            with pkg.apply_ac_policy(policy):
                 return run(x, w)
         return region
     if mode in ("noop-mode", "noop-mode-noshim"):
@@ -156,14 +167,14 @@ def measure(sizes: list[int], rounds: int, warmup: int, modes: list[str]) -> dic
     }
 
 
-def heap_per_op(n_ops: int, policy: Any) -> float:
+def heap_per_op(n_ops: int, policy: Any, pkg: Any = ac) -> float:
     """Python heap (tracemalloc) kept per recorded op by one region's forward."""
     x = torch.randn(16, requires_grad=True)
     w = torch.randn(16, requires_grad=True)
     run = functools.partial(chain, n_ops=n_ops)
 
     def region():
-        with ac.apply_ac_policy(policy):
+        with pkg.apply_ac_policy(policy):
             return run(x, w)
     region().sum().backward()  # warm caches (op facts, policy answers)
     gc.collect()
@@ -243,6 +254,29 @@ def report(results: dict[int, dict[str, dict]], heap: dict[str, float], paused: 
     return "\n".join(lines)
 
 
+def import_baseline(checkout: str) -> None:
+    """Make another revision's ``ac2_dist`` (``checkout``/ac2_dist) importable as
+    ``ac2_baseline`` (the package imports itself relatively, so a renamed copy works)."""
+    src = os.path.join(checkout, "ac2_dist")
+    if not os.path.isfile(os.path.join(src, "__init__.py")):
+        raise SystemExit(f"--baseline: {checkout!r} holds no ac2_dist package")
+    root = tempfile.mkdtemp(prefix="ac2_baseline_")
+    shutil.copytree(src, os.path.join(root, "ac2_baseline"))
+    sys.path.insert(0, root)
+    importlib.import_module("ac2_baseline")
+
+
+def paired(results: dict[int, dict[str, dict]], mode: str, base: str) -> str:
+    """Per size: median over rounds of ``mode``'s forward (backward) time over ``base``'s
+    in the same round."""
+    cells = []
+    for n, r in results.items():
+        f = statistics.median(a / b for a, b in zip(r[mode]["fwd_s"], r[base]["fwd_s"]))
+        b = statistics.median(a / b for a, b in zip(r[mode]["bwd_s"], r[base]["bwd_s"]))
+        cells.append(f"{n // 1000}k {f:.2f} / {b:.2f}")
+    return f"{mode} / {base} (forward / backward, paired per round): " + ", ".join(cells)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1000, 4000, 16000, 64000])
@@ -251,9 +285,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--heap-ops", type=int, default=4000)
     p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     p.add_argument("--json", default=None)
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="a checkout of another ac2_dist revision, measured in the same rounds")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     modes = args.modes if "eager" in args.modes else ["eager", *args.modes]
+    if args.baseline:
+        import_baseline(args.baseline)
+        modes += [m for m in ("base-full", "base-save") if m not in modes]
     results = measure(args.sizes, args.rounds, args.warmup, modes)
     heap = {"ac2-full": heap_per_op(args.heap_ops, "recompute_all"), "ac2-save": heap_per_op(args.heap_ops, SAVE)}
     paused = forward_gc_paused([args.sizes[0], args.sizes[-1]], args.rounds)
@@ -265,6 +304,20 @@ def main(argv: list[str] | None = None) -> dict:
         for n, r in results.items():
             print(n, {m: (round(v["fwd_us"], 2), round(v["bwd_us"], 2)) for m, v in r.items()})
         print(heap, paused)
+    if args.baseline:
+        print(f"baseline ({args.baseline}): " + ", ".join(
+            f"{n // 1000}k full {r['base-full']['fwd_us']:.1f} / {r['base-full']['bwd_us']:.1f},"
+            f" save-list {r['base-save']['fwd_us']:.1f} / {r['base-save']['bwd_us']:.1f}"
+            for n, r in results.items()) + " us per op")
+        print(paired(results, "ac2-full", "base-full"))
+        print(paired(results, "ac2-save", "base-save"))
+        if "noop-mode" in modes:
+            print("base-full forward / no-op mode: " + ", ".join(
+                f"{n // 1000}k {r['base-full']['fwd_us'] / r['noop-mode']['fwd_us']:.2f}" for n, r in results.items()))
+        base = importlib.import_module("ac2_baseline")
+        for name, policy in (("base-full", "recompute_all"), ("base-save", SAVE)):
+            heap[name] = heap_per_op(args.heap_ops, policy, base)
+            print(f"Python heap kept per recorded op ({name}, tracemalloc): {heap[name]:.0f} B")
     out = {"results": results, "heap_per_op": heap, "ac2_full_fwd_us_gc_paused": paused}
     if args.json:
         with open(args.json, "w") as f:
