@@ -106,7 +106,8 @@ class OpInfo:
     #: storage (TensorIterator allocates it), so the tracer skips the check for outputs
     #: that alias an input undeclared (Note [Aliases a schema does not declare] in
     #: _tracer.py). ``_unsafe_view`` and ``unsafe_split``, the ATen ops that do alias
-    #: undeclared, are not pointwise; other namespaces (custom ops) are always checked.
+    #: undeclared, are not pointwise; composite pointwise ops (``conj_physical`` returns
+    #: a real input itself) and other namespaces (custom ops) are always checked.
     fresh_output: bool = False
     #: ``"output of <op>"``: what error messages call a value this op saved.
     owner: str = ""
@@ -257,6 +258,16 @@ def _classify_namespace(ns: str) -> SideEffect:
 #     tensors), which is conservative.
 
 
+def _composite(op: torch._ops.OpOverload) -> bool:
+    """The op has a CompositeImplicitAutograd kernel: Python code that may return its
+    input itself (``conj_physical`` of a real tensor does, on an inference tensor, the one
+    case where such an op reaches a dispatch mode undecomposed)."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+    except (AttributeError, RuntimeError):  # no such query: assume it may alias
+        return True
+
+
 def _build(op: torch._ops.OpOverload) -> OpInfo:
     schema = getattr(op, "_schema", None)
     if schema is None:  # a higher-order op (Note [Higher-order operators]): never replayed
@@ -324,7 +335,7 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
         accumulators=accumulators,
         accumulate_flag=accumulate_flag,
         fresh_output=(op.namespace == "aten" and torch.Tag.pointwise in op.tags and not returns_alias
-                      and not written),
+                      and not written and not _composite(op)),
         owner=f"output of {op}",
     )
 
