@@ -325,8 +325,9 @@ class _Freed:
 FREED = _Freed()
 # Zeroed use counters for a node of n outputs (Note [Use counts live in one array]).
 _ONE_ZERO = (0,)
-_new_object = object.__new__
 _ZEROS = tuple(array("q", bytes(8 * n)) for n in range(16))
+# Nodes and handles are made without a Python __init__ call (Graph.new_node, Graph.pack).
+_new_object = object.__new__
 _MISSING = object()  # Graph._existing: the value needs the executor
 
 

@@ -50,8 +50,9 @@ Note [Aliases a schema does not declare]
     autograd handle): then, in a replay, the partner's value is consumed by the alias
     alone and writing into it disturbs nothing (matmul's internal ``mm`` output).
     Otherwise the write is a side effect (Note [Replaying writes to fresh tensors] in
-    _graph.py). ATen's pointwise ops allocate their outputs (``OpInfo.fresh_output``):
-    they skip the storage comparison, two ``data_ptr()`` calls per recorded op.
+    _graph.py). ATen's pointwise ops with their own kernel (not composite ones) allocate
+    their outputs (``OpInfo.fresh_output``): they skip the storage comparison, two
+    ``data_ptr()`` calls per recorded op.
 
 Note [Dynamo inside a region]
     TorchDispatchMode wraps ``__torch_dispatch__`` in a dynamo-disable shim (~4 us per
@@ -110,6 +111,21 @@ def _rng_device(args: tuple, kwargs: dict) -> torch.device:
             return a.device
     dev = kwargs.get("device")
     return torch.device(dev) if dev is not None else torch.device("cpu")
+
+
+def _list_refs(graph: Graph, node: Node, pos: int | str, seq: list | tuple, allow: bool) -> tuple[list, tuple]:
+    """A ``Tensor[]`` argument of ``node`` at ``pos``: the list with its tensors replaced by
+    None, and the flat ``((pos, k), producer, idx, ...)`` inputs of those tensors."""
+    lst = list(seq)
+    refs: list = []
+    for k, e in enumerate(seq):
+        if isinstance(e, _Tensor):
+            m, j = graph.ref(e, allow)
+            m.readers += 1
+            refs += ((pos, k), m, j)
+            lst[k] = None
+            node.lists = True
+    return lst, tuple(refs)
 
 
 class _CollectiveProbe(TorchDispatchMode):
@@ -525,17 +541,8 @@ class Tracer(TorchDispatchMode):
                 if targs is None:
                     targs = [None if isinstance(t, _Tensor) else t for t in args]
                 if info.has_tensor_lists and type(a) in (list, tuple):
-                    lst = list(a)
-                    listed: list = []
-                    for k, e in enumerate(a):
-                        if isinstance(e, _Tensor):
-                            m, j = graph.ref(e, allow)
-                            m.readers += 1
-                            listed += ((i, k), m, j)
-                            lst[k] = None
-                            node.lists = True
-                    inputs += tuple(listed)
-                    targs[i] = lst
+                    targs[i], refs = _list_refs(graph, node, i, a, allow)
+                    inputs += refs
         n = len(args)
         # Note [Rare node fields live in a lazy dict] (_graph.py): all-tensor arguments
         # share one tuple of Nones per length.
@@ -552,17 +559,8 @@ class Tracer(TorchDispatchMode):
                     inputs += (k, m, j)
                     tkw[k] = None
                 elif info.has_tensor_lists and type(v) in (list, tuple):
-                    lst = list(v)
-                    listed = []
-                    for n, e in enumerate(v):
-                        if isinstance(e, _Tensor):
-                            m, j = graph.ref(e, allow)
-                            m.readers += 1
-                            listed += ((k, n), m, j)
-                            lst[n] = None
-                            node.lists = True
-                    inputs += tuple(listed)
-                    tkw[k] = lst
+                    tkw[k], refs = _list_refs(graph, node, k, v, allow)
+                    inputs += refs
             node.kwargs = tkw
         node.inputs = inputs
         return node
