@@ -54,6 +54,17 @@ Note [Aliases a schema does not declare]
     their outputs (``OpInfo.fresh_output``): they skip the storage comparison, two
     ``data_ptr()`` calls per recorded op.
 
+Note [The plain-op path]
+    Most ops of a model are ``OpInfo.plain``: ATen pointwise kernels that write
+    nothing, alias nothing, draw no random numbers and return one new tensor. For one of
+    them, with no tensor subclass involved, one policy frame whose answer does not need
+    the op's output (a string policy or a save-list/dict) and that answer "recompute",
+    every step of Note [What the tracer decides per op] is known before the op runs: no
+    side effect, no write, no version bump, no alias check, no rng chain. The tracer
+    records such an op right after calling it (a recomputable node and its map entry)
+    and skips the general path's checks; anything else (a save, a policy function,
+    nested frames, a memory budget's observer) takes the general path.
+
 Note [Dynamo inside a region]
     TorchDispatchMode wraps ``__torch_dispatch__`` in a dynamo-disable shim (~4 us per
     op). The tracer opts out of the shim and instead marks its code objects "skip,
@@ -201,9 +212,25 @@ class Tracer(TorchDispatchMode):
                 self.graph.open_chains.clear()  # an unrecorded draw: chains restart after it
             return func(*args, **kwargs)
         info = _INFO.get(id(func)) or op_info(func)
+        frames = state.frames
+        if info.plain and not types and len(frames) == 1:  # Note [The plain-op path]
+            inner = frames[0]
+            if inner.const is not None:
+                decision, save = inner.const, inner.const_save
+            elif inner.by_id is not None:
+                decision, save = inner.by_id.get(id(func), _RECOMPUTE)
+            else:
+                save = True  # a policy function: asked below, with the op's output
+            graph = self.graph
+            if not save and graph.observer is None:
+                out = func(*args, **kwargs)
+                node = self._recomputable(graph, func, info, args, kwargs, 1, inner)
+                if decision is _MUST_RECOMPUTE:
+                    node.must_recompute = True
+                graph.map.set(out, node, 0, out._version)
+                return out
         if info.higher_order:
             return self._higher_order(func, args, kwargs)
-        frames = state.frames
         inner = frames[-1]
 
         rng = None

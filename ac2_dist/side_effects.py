@@ -109,6 +109,11 @@ class OpInfo:
     #: undeclared, are not pointwise; composite pointwise ops (``conj_physical`` returns
     #: a real input itself) and other namespaces (custom ops) are always checked.
     fresh_output: bool = False
+    #: A ``fresh_output`` op that returns one tensor and is nothing else the tracer
+    #: decides about: no side effect, no random draw, not ignored, no ``Tensor[]``
+    #: argument. The tracer records it on its short path (Note [The plain-op path] in
+    #: _tracer.py).
+    plain: bool = False
     #: ``"output of <op>"``: what error messages call a value this op saved.
     owner: str = ""
 
@@ -319,12 +324,16 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
         side_effect = SideEffect.OPAQUE
     if side_effect is SideEffect.NONE and written and write_flag is None:
         side_effect = SideEffect.MUTATION
+    fresh = (op.namespace == "aten" and torch.Tag.pointwise in op.tags and not returns_alias and not written
+             and not _composite(op))
+    is_rng = torch.Tag.nondeterministic_seeded in op.tags
+    ignored = op in SAC_IGNORED_OPS
     return OpInfo(
         op=op,
-        ignored=op in SAC_IGNORED_OPS,
+        ignored=ignored,
         side_effect=side_effect,
         written=tuple(written),
-        is_rng=torch.Tag.nondeterministic_seeded in op.tags,
+        is_rng=is_rng,
         dropout_arg=dropout_arg,
         generator_arg=generator_arg,
         write_flag=write_flag,
@@ -334,8 +343,10 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
         view_src=view_src,
         accumulators=accumulators,
         accumulate_flag=accumulate_flag,
-        fresh_output=(op.namespace == "aten" and torch.Tag.pointwise in op.tags and not returns_alias
-                      and not written and not _composite(op)),
+        fresh_output=fresh,
+        plain=(fresh and side_effect is SideEffect.NONE and not is_rng and not ignored and not has_lists
+               and not accumulators and len(schema.returns) == 1
+               and isinstance(schema.returns[0].type, torch._C.TensorType)),
         owner=f"output of {op}",
     )
 

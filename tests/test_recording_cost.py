@@ -179,3 +179,107 @@ def test_op_facts_are_cached_per_op_object():
     assert a.owner == "output of aten.tanh.default"
     side_effects._INFO.clear()
     assert side_effects.op_info(aten.tanh.default) == a
+
+
+def test_plain_op_facts():
+    # Note [The plain-op path]: only single-output ATen pointwise kernels that write,
+    # alias and draw nothing take the tracer's short path.
+    from ac2_dist.side_effects import op_info
+
+    aten = torch.ops.aten
+    for op in (aten.tanh.default, aten.mul.Tensor, aten.add.Tensor, aten.gelu.default, aten.where.self):
+        assert op_info(op).plain, op
+    for op in (
+        aten.frexp.Tensor,  # two outputs
+        aten.bernoulli.p,  # random
+        aten.native_dropout.default, aten.add_.Tensor, aten.mul.out, aten.mm.default, aten._unsafe_view.default,
+        aten.conj_physical.default, aten.detach.default, aten.cat.default,
+    ):
+        assert not op_info(op).plain, op
+
+
+def _graph_facts(graph) -> list[tuple]:
+    """Everything recorded about the nodes backward can reach, in seq order."""
+    seen: dict[int, object] = {}
+    todo = [h.node for h in graph.live_handles()]
+    while todo:
+        n = todo.pop()
+        if n.seq in seen:
+            continue
+        seen[n.seq] = n
+        todo.extend(n.inputs[1::3])
+    facts = []
+    for seq in sorted(seen):
+        n = seen[seq]
+        inputs = tuple((p, m.seq, i) for p, m, i in zip(n.inputs[::3], n.inputs[1::3], n.inputs[2::3]))
+        saved = None if n.saved is None else tuple(s is not None and (s.reason, s.version) for s in n.saved)
+        facts.append((
+            str(n.op), n.seq, n.nout, inputs, saved, n.readers, n.held, n.viewed, n.viewers, n.must_recompute,
+            n.aliased, n.alias_of is not None, n.writes, repr(n.args), repr(n.kwargs),
+        ))
+    return facts
+
+
+def _policies():
+    aten = torch.ops.aten
+    cp = torch.utils.checkpoint.CheckpointPolicy
+    return {
+        "string": "recompute_all",
+        "save-list": [aten.addmm.default, aten.gelu.default],
+        "dict": {aten.add.Tensor: cp.MUST_RECOMPUTE, aten.addmm.default: cp.MUST_SAVE},
+        "callable": lambda ctx, op, *a, **k: cp.PREFER_SAVE if op is aten.gelu.default else cp.PREFER_RECOMPUTE,
+        "nested": None,
+    }
+
+
+@pytest.mark.parametrize("policy", list(_policies()))
+def test_plain_op_path_records_what_the_general_path_records(policy, monkeypatch):
+    # Note [The plain-op path]: recording a pointwise op on the short path must leave
+    # exactly the graph the general path leaves (nodes, inputs, use counts, saves,
+    # policy marks), under every policy form, and gradients bitwise eager's.
+    import dataclasses
+
+    from _models import GPT
+
+    from ac2_dist import side_effects
+
+    pol = _policies()[policy]
+    torch.manual_seed(0)
+    model = GPT(layers=2, d=32, heads=4)
+    x = torch.randn(2, 8, 32)
+    ref = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+
+    def record():
+        if policy == "nested":
+            with ac.apply_ac_policy([torch.ops.aten.addmm.default]) as region:
+                with ac.apply_ac_policy("recompute_all"):
+                    y = model(x).square().sum()
+        else:
+            with ac.apply_ac_policy(pol) as region:
+                y = model(x).square().sum()
+        facts = _graph_facts(region.graph)
+        nodes = region.stats.nodes if hasattr(region.stats, "nodes") else None
+        grads = torch.autograd.grad(y, list(model.parameters()))
+        return facts, nodes, grads
+
+    side_effects._INFO.clear()
+    short = record()
+    build = side_effects._build
+    monkeypatch.setattr(side_effects, "_build", lambda op: dataclasses.replace(build(op), plain=False))
+    side_effects._INFO.clear()
+    try:
+        general = record()
+    finally:
+        side_effects._INFO.clear()
+    assert short[0] == general[0]
+    assert short[1] == general[1]
+    assert len(short[0]) > 20
+    plain_nodes = [f for f in short[0] if f[0] in ("aten.add.Tensor", "aten.gelu.default")]
+    assert len(plain_nodes) == 6  # the residual adds and the MLP's gelu are pointwise
+    if policy == "dict":
+        assert all(f[9] for f in plain_nodes if f[0] == "aten.add.Tensor")  # must_recompute
+    if policy in ("save-list", "callable"):
+        assert all(f[4] for f in plain_nodes if f[0] == "aten.gelu.default")  # saved
+    for grads in (short[2], general[2]):
+        for a, b in zip(grads, ref):
+            assert torch.equal(a, b)
