@@ -14,8 +14,21 @@ Note [Use counts free recomputed values as soon as consumed]
     ``take`` returns the value and removes one pending use; the cached value is
     dropped when none is left. So a recomputed intermediate lives exactly until its
     last pending consumer has it, and every node runs at most once per backward
-    (all handles are armed before backward starts: at pack time, or all together at
-    the start of a retained second backward, see Note [Epochs]).
+    (all handles are armed before anything is replayed: together at the first unpack,
+    Note [Arming waits for backward], and again at the start of a retained second
+    backward, see Note [Epochs]).
+
+Note [Arming waits for backward]
+    A handle packed in forward is armed (its pending uses added, its node scheduled and
+    the walk to the nearest saved values done) at the graph's first unpack or prefetch,
+    all handles together in pack order (:meth:`Graph.settle`), not in the pack hook:
+    the pack hook runs once per saved tensor, in the forward whose cost the tracer is
+    measured by, and the walk is the same work either way. Counts are order-free, so
+    the result is what arming each handle at pack time gave; forward edits to the
+    graph (a tagged or boundary save, a cut) see no scheduled node and have nothing to
+    undo. A handle that autograd freed before backward (a branch nobody differentiates)
+    is not armed at all. Once settled, a graph arms each new save at pack time again
+    (saves made during or after an in-region backward).
 
 Note [Use counts live in one array]
     The pending uses of every node output of a graph are one ``array('q')``
@@ -620,6 +633,7 @@ class Graph:
         self.epoch = 0
         # Weak references to the handles, in pack order (Note [Handles are weakly listed]).
         self._handle_refs: list[weakref.ref] = []
+        self.settled = False  # every live handle armed (Note [Arming waits for backward])
         self.stats = GraphStats()
         self.executor = executor
         self.create_graph = False  # set by the executor around each realize
@@ -816,9 +830,7 @@ class Graph:
                 lock.acquire()  # not `with`: half the cost, once per saved tensor (hot path)
                 try:
                     h.count += 1
-                    if node.scheduled or node.saved is not None and node.saved[idx] is not None:
-                        self.uses[node.seq + idx] += 1  # arm()'s common case, inlined: no walk
-                    else:
+                    if self.settled:  # Note [Arming waits for backward]
                         self.arm(node, idx)
                 finally:
                     lock.release()
@@ -836,8 +848,9 @@ class Graph:
         lock = self.lock
         lock.acquire()
         try:
-            self.arm(node, idx)
             self._handle_refs.append(weakref.ref(h))
+            if self.settled:  # Note [Arming waits for backward]
+                self.arm(node, idx)
         finally:
             lock.release()
         if e is not None:
@@ -845,6 +858,20 @@ class Graph:
         return h
 
     # ---- backward side ------------------------------------------------------------
+    def settle(self) -> None:
+        """Arm every live handle once per save (Note [Arming waits for backward]); the
+        caller holds the lock."""
+        if self.settled:
+            return
+        self.settled = True
+        uses = self.uses
+        for r in self._handle_refs:
+            h = r()
+            if h is not None:
+                self.arm(h.node, h.idx)
+                if h.count > 1:  # arm()'s later calls for one output add a use each, no walk
+                    uses[h.node.seq + h.idx] += h.count - 1
+
     def arm(self, node: Node, idx: int) -> None:
         """Add one pending use of ``node[idx]`` (Note [Use counts ...]); saved values
         count their uses too (Note [Saved values die at their last use])."""
@@ -1124,6 +1151,8 @@ class Graph:
         if self.on_backward is not None:
             self._backward_begins()
         with self.lock:
+            if not self.settled:
+                self.settle()
             if h.prefetched is not None:
                 value, ready = h.prefetched, h.ready
                 h.prefetched = h.ready = None
@@ -1223,6 +1252,7 @@ class Graph:
             self.tracker._on_unpack()  # a prefetch is backward work
         done = 0
         with self.lock:
+            self.settle()
             for h in self.live_handles():
                 if h.prefetched is not None or (h.consumed_task == task and h.taken >= h.count):
                     continue

@@ -18,6 +18,13 @@ drift hits all alike, the growth with size included; medians over the rounds):
   (``saved_tensors_hooks(lambda t: t, lambda t: t)``): the floor of any checkpointing that
   records with a dispatch mode and hands autograd its own saved objects, as ac2 does
   (torch's checkpoint installs such hooks too; the no-op mode alone has none).
+- ``record-floor``: the least any tracer that records ops for a later replay does per op,
+  in Python, on top of the no-op mode (no shim): one tuple per op holding the op and its
+  tensor arguments' producers (found in an ``id``-keyed map of weak references), one map
+  entry per output, and saved-tensor hooks whose pack looks the tensor's producer up.
+  No use counts, policy, version or side-effect checks; its pack also keeps the tensor,
+  so its backward is eager's (a reference for the *forward* only). The ratio of
+  ``ac2-full``'s forward to it is what ac2 adds to that minimum.
 
 Printed: microseconds per op (forward, backward), the ratios of ac2's forward to the
 no-op mode's (both floors) and to torch's, of ac2's backward to torch's, the growth of
@@ -50,6 +57,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -61,7 +69,10 @@ import ac2_dist as ac
 
 aten = torch.ops.aten
 SAVE = [aten.mul.Tensor]
-MODES = ["eager", "torch-full", "torch-sac", "ac2-full", "ac2-save", "noop-mode", "noop-mode-noshim", "noop-mode+hooks"]
+MODES = [
+    "eager", "torch-full", "torch-sac", "ac2-full", "ac2-save", "noop-mode", "noop-mode-noshim", "noop-mode+hooks",
+    "record-floor",
+]
 
 
 class NoopMode(TorchDispatchMode):
@@ -81,6 +92,40 @@ class BareNoopMode(NoopMode):
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+class _Entry(weakref.ref):
+    __slots__ = ("producer",)
+
+
+class RecordFloor(BareNoopMode):
+    """``record-floor``: what a recording tracer cannot avoid per op (see the module
+    docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.map: dict[int, _Entry] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        get = self.map.get
+        inputs: tuple = ()
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                e = get(id(a))
+                inputs += (e.producer if e is not None and e() is a else None,)
+        e = _Entry(out)
+        e.producer = (func, inputs)
+        self.map[id(out)] = e
+        return out
+
+    def pack(self, t: torch.Tensor) -> tuple:
+        e = self.map.get(id(t))
+        return (e.producer if e is not None and e() is t else None, t)
+
+
+def _unpack_floor(packed: tuple) -> torch.Tensor:
+    return packed[1]
 
 
 def chain(x: torch.Tensor, w: torch.Tensor, n_ops: int) -> torch.Tensor:
@@ -120,6 +165,12 @@ def forward_fn(mode: str, n_ops: int) -> Callable[[torch.Tensor, torch.Tensor], 
             with NoopMode(), torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
                 return run(x, w)
         return in_mode_with_hooks
+    if mode == "record-floor":
+        def recorded(x, w):
+            rec = RecordFloor()
+            with rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, _unpack_floor):
+                return run(x, w)
+        return recorded
     raise ValueError(mode)
 
 
@@ -223,17 +274,21 @@ def _ratio(a: float, b: float) -> str:
 def report(results: dict[int, dict[str, dict]], heap: dict[str, float], paused: dict[int, float]) -> str:
     lines = [
         "| ops | eager | torch full AC | torch SAC | ac2 full | ac2 save-list | no-op mode | no-op mode, no shim |"
-        " no-op mode + hooks | ac2 full fwd / no-op | ac2 full fwd / no-op + hooks | ac2 full fwd / torch full |"
+        " no-op mode + hooks | record floor | ac2 full fwd / no-op | ac2 full fwd / no-op + hooks |"
+        " record floor / no-op | ac2 full fwd / record floor | ac2 full fwd / torch full |"
         " ac2 full bwd / torch full | ac2 save-list fwd, bwd / torch SAC |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n, r in results.items():
         cells = [f"{r[m]['fwd_us']:.1f} / {r[m]['bwd_us']:.1f}" for m in MODES[:5]]
         cells += [f"{r[m]['fwd_us']:.1f}" for m in MODES[5:7]]
         cells += [f"{r['noop-mode+hooks']['fwd_us']:.1f} / {r['noop-mode+hooks']['bwd_us']:.1f}"]
+        cells += [f"{r['record-floor']['fwd_us']:.1f}"]
         cells += [
             _ratio(r["ac2-full"]["fwd_us"], r["noop-mode"]["fwd_us"]),
             _ratio(r["ac2-full"]["fwd_us"], r["noop-mode+hooks"]["fwd_us"]),
+            _ratio(r["record-floor"]["fwd_us"], r["noop-mode"]["fwd_us"]),
+            _ratio(r["ac2-full"]["fwd_us"], r["record-floor"]["fwd_us"]),
             _ratio(r["ac2-full"]["fwd_us"], r["torch-full"]["fwd_us"]),
             _ratio(r["ac2-full"]["bwd_us"], r["torch-full"]["bwd_us"]),
             f"{_ratio(r['ac2-save']['fwd_us'], r['torch-sac']['fwd_us'])}, "
@@ -309,8 +364,9 @@ def main(argv: list[str] | None = None) -> dict:
             f"{n // 1000}k full {r['base-full']['fwd_us']:.1f} / {r['base-full']['bwd_us']:.1f},"
             f" save-list {r['base-save']['fwd_us']:.1f} / {r['base-save']['bwd_us']:.1f}"
             for n, r in results.items()) + " us per op")
-        print(paired(results, "ac2-full", "base-full"))
-        print(paired(results, "ac2-save", "base-save"))
+        for mode, base_mode in (("ac2-full", "base-full"), ("ac2-save", "base-save")):
+            if mode in modes:
+                print(paired(results, mode, base_mode))
         if "noop-mode" in modes:
             print("base-full forward / no-op mode: " + ", ".join(
                 f"{n // 1000}k {r['base-full']['fwd_us'] / r['noop-mode']['fwd_us']:.2f}" for n, r in results.items()))

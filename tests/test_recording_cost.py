@@ -283,3 +283,45 @@ def test_plain_op_path_records_what_the_general_path_records(policy, monkeypatch
     for grads in (short[2], general[2]):
         for a, b in zip(grads, ref):
             assert torch.equal(a, b)
+
+
+def test_arming_waits_for_backward_and_skips_freed_saves():
+    # Note [Arming waits for backward]: forward adds no pending use; the first unpack
+    # arms every live handle. A branch whose autograd graph died before backward (its
+    # saves freed) is not armed: nothing of it is replayed or left cached.
+    x = torch.randn(16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    n = 40
+    with ac.apply_ac_policy("recompute_all") as region:
+        y = _chain(x, w, n).sum()
+        dropped = _chain(x * 2, w, n).sum()
+    graph = region.graph
+    assert not graph.settled
+    assert not any(graph.uses)  # no pending use armed in forward
+    assert len(graph.live_handles()) == 2 * (n // 2) + 1
+    del dropped  # its grad_fn, and with it the branch's handles, are freed
+    assert len(graph.live_handles()) == n // 2 + 1
+    gx, gw = torch.autograd.grad(y, (x, w))
+    assert graph.settled
+    rx, rw = _eager_grads(x, w, n)
+    assert torch.equal(gx, rx) and torch.equal(gw, rw)
+    assert region.stats.recomputed_ops == n - 1  # the dropped branch never ran again
+    assert region.stats.cached_bytes == 0
+
+
+def test_arming_at_first_read_outside_backward():
+    # A saved tensor read in forward (grad_fn._saved_*) settles the graph too; later
+    # saves are armed as they are packed, and backward is still exact.
+    x = torch.randn(16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    with ac.apply_ac_policy("recompute_all") as region:
+        h = torch.tanh(x) * w
+        t = torch.tanh(h)
+        assert torch.equal(t.grad_fn._saved_result, torch.tanh(torch.tanh(x) * w))
+        assert region.graph.settled
+        y = (torch.tanh(t) * w).sum()
+    gx, gw = torch.autograd.grad(y, (x, w))
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    rx, rw = torch.autograd.grad((torch.tanh(torch.tanh(torch.tanh(xr) * wr)) * wr).sum(), (xr, wr))
+    assert torch.equal(gx, rx) and torch.equal(gw, rw)
+    assert region.stats.cached_bytes == 0
