@@ -4,7 +4,11 @@
 
 Modes: no AC; HF's own gradient checkpointing (torch's non-reentrant checkpoint);
 ``ac2_dist.integrations.hf.enable`` (ac2 through HF's switch); ``ac2_dist.apply_ac`` on the
-decoder-layer class. Per mode: peak memory of forward+backward and bytes kept after
+decoder-layer class; and, as a reference, no AC with every decoder layer's forward run under
+a Python ``TorchDispatchMode`` that only calls each op (``no-ac+noop-mode``): what running
+the layers' ops through any Python dispatch mode costs on this model, the floor under
+ac2's recording (ac2 records the same ops; its backward replays them without a mode). Per
+mode: peak memory of forward+backward and bytes kept after
 forward (allocator events via torch.profiler), the median step time over interleaved
 rounds, and the per-round step-time ratio against HF's own checkpointing: median
 (min-max). Needs transformers (``pip install 'ac2-dist[hf]'``). Random weights from a
@@ -20,13 +24,38 @@ import statistics
 import sys
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_core import measure_memory, ratio_stats, step, timed_rounds, write_json  # noqa: E402
 
 import ac2_dist as ac  # noqa: E402
 
-MODES = ["no-ac", "hf-torch", "ac2-hf-enable", "ac2-apply_ac"]
+MODES = ["no-ac", "hf-torch", "ac2-hf-enable", "ac2-apply_ac", "no-ac+noop-mode"]
+
+
+class _NoopMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:  # as ac2's tracer: no per-call dynamo shim
+        return False
+
+
+def _under_noop_mode(layer: torch.nn.Module) -> None:
+    """Run ``layer``'s forward under a fresh no-op dispatch mode (``no-ac+noop-mode``)."""
+    modes: list[_NoopMode] = []
+
+    def enter(module, args):
+        modes.append(_NoopMode())
+        modes[-1].__enter__()
+
+    def leave(module, args, output):
+        modes.pop().__exit__(None, None, None)
+
+    layer.register_forward_pre_hook(enter)
+    layer.register_forward_hook(leave)
 
 
 def build(args: argparse.Namespace, mode: str):
@@ -57,6 +86,10 @@ def build(args: argparse.Namespace, mode: str):
         hf.enable(model)
     elif mode == "ac2-apply_ac":
         ac.apply_ac(model, modules=[LlamaDecoderLayer])
+    elif mode == "no-ac+noop-mode":
+        for layer in model.modules():
+            if isinstance(layer, LlamaDecoderLayer):
+                _under_noop_mode(layer)
     return model
 
 
@@ -84,14 +117,14 @@ def main(argv: list[str] | None = None) -> dict:
     mib = 1 / 2**20
     print(f"bench_hf: Llama {args.layers}x{args.dim}, seq {args.seq}, batch {args.batch}, {args.rounds} rounds, "
           f"CPU threads={torch.get_num_threads()}, torch {torch.__version__}")
-    print(f"{'mode':<14} {'peak MiB':>9} {'kept MiB':>9} {'step s':>8}  step vs hf-torch, median (min-max)")
+    print(f"{'mode':<16} {'peak MiB':>9} {'kept MiB':>9} {'step s':>8}  step vs hf-torch, median (min-max)")
     for m in MODES:
         r = results[m]
         r["step_seconds_median"] = statistics.median(times[m])
         r["step_seconds_all"] = times[m]
         r["step_vs_hf_torch"] = ratio_stats(times[m], times["hf-torch"])
         st = r["step_vs_hf_torch"]
-        print(f"{m:<14} {r['peak_bytes'] * mib:9.2f} {r['kept_after_forward_bytes'] * mib:9.2f} "
+        print(f"{m:<16} {r['peak_bytes'] * mib:9.2f} {r['kept_after_forward_bytes'] * mib:9.2f} "
               f"{r['step_seconds_median']:8.3f}  {st['median']:.3f} ({st['min']:.3f}-{st['max']:.3f})")
     return write_json(args.json, {"config": vars(args), "results": results, "torch": torch.__version__})
 

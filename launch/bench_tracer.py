@@ -26,9 +26,10 @@ drift hits all alike, the growth with size included; medians over the rounds):
   so its backward is eager's (a reference for the *forward* only). The ratio of
   ``ac2-full``'s forward to it is what ac2 adds to that minimum.
 
-Printed: microseconds per op (forward, backward), the ratios of ac2's forward to the
-no-op mode's (both floors) and to torch's, of ac2's backward to torch's, the growth of
-the forward cost from 1k ops to the largest size, and the Python heap kept per recorded
+Printed: microseconds per op (forward, backward; medians over rounds), the ratios of ac2's
+forward to the no-op mode's (both floors), to the record floor and to torch's, of ac2's
+backward to torch's, the growth of the forward cost per op from 1k ops to the largest size
+(every ratio is the median over rounds of the two figures' ratio in the same round), and the Python heap kept per recorded
 op (``tracemalloc``, the graph of one ``ac2-full`` / ``ac2-save`` forward still alive), and,
 as a diagnostic, ``ac2-full``'s forward with the cyclic garbage collector paused during the
 timed forward (what the growth with region length is made of).
@@ -267,8 +268,15 @@ def forward_gc_paused(sizes: list[int], rounds: int) -> dict[int, float]:
     return out
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}"
+def _size(n: int) -> str:
+    return f"{n // 1000}k" if n % 1000 == 0 else str(n)
+
+
+def _ratio(r: dict[str, dict], a: str, b: str, phase: str = "fwd") -> str:
+    """Median over rounds of ``a``'s time over ``b``'s in the same round: a noise burst
+    during one round moves one sample, not the ratio of two independent medians."""
+    key = f"{phase}_s"
+    return f"{statistics.median(x / y for x, y in zip(r[a][key], r[b][key])):.2f}"
 
 
 def report(results: dict[int, dict[str, dict]], heap: dict[str, float], paused: dict[int, float]) -> str:
@@ -285,25 +293,26 @@ def report(results: dict[int, dict[str, dict]], heap: dict[str, float], paused: 
         cells += [f"{r['noop-mode+hooks']['fwd_us']:.1f} / {r['noop-mode+hooks']['bwd_us']:.1f}"]
         cells += [f"{r['record-floor']['fwd_us']:.1f}"]
         cells += [
-            _ratio(r["ac2-full"]["fwd_us"], r["noop-mode"]["fwd_us"]),
-            _ratio(r["ac2-full"]["fwd_us"], r["noop-mode+hooks"]["fwd_us"]),
-            _ratio(r["record-floor"]["fwd_us"], r["noop-mode"]["fwd_us"]),
-            _ratio(r["ac2-full"]["fwd_us"], r["record-floor"]["fwd_us"]),
-            _ratio(r["ac2-full"]["fwd_us"], r["torch-full"]["fwd_us"]),
-            _ratio(r["ac2-full"]["bwd_us"], r["torch-full"]["bwd_us"]),
-            f"{_ratio(r['ac2-save']['fwd_us'], r['torch-sac']['fwd_us'])}, "
-            f"{_ratio(r['ac2-save']['bwd_us'], r['torch-sac']['bwd_us'])}",
+            _ratio(r, "ac2-full", "noop-mode"),
+            _ratio(r, "ac2-full", "noop-mode+hooks"),
+            _ratio(r, "record-floor", "noop-mode"),
+            _ratio(r, "ac2-full", "record-floor"),
+            _ratio(r, "ac2-full", "torch-full"),
+            _ratio(r, "ac2-full", "torch-full", "bwd"),
+            f"{_ratio(r, 'ac2-save', 'torch-sac')}, {_ratio(r, 'ac2-save', 'torch-sac', 'bwd')}",
         ]
-        lines.append(f"| {n // 1000}k | " + " | ".join(cells) + " |")
+        lines.append(f"| {_size(n)} | " + " | ".join(cells) + " |")
     sizes = list(results)
     first, last = sizes[0], sizes[-1]
     lines.append("")
-    for m in ("ac2-full", "ac2-save", "torch-full", "torch-sac", "noop-mode"):
-        lines.append(f"{m}: forward per op at {last // 1000}k ops / at {first // 1000}k: "
-                     f"{results[last][m]['fwd_us'] / results[first][m]['fwd_us']:.2f}")
+    for m in ("ac2-full", "ac2-save", "torch-full", "torch-sac", "noop-mode", "record-floor"):
+        growth = statistics.median(
+            (a / last) / (b / first) for a, b in zip(results[last][m]["fwd_s"], results[first][m]["fwd_s"])
+        )
+        lines.append(f"{m}: forward per op at {_size(last)} ops / at {_size(first)}: {growth:.2f}")
     lines.append("ac2-full forward per op, cyclic GC paused during the forward (diagnostic): "
-                 + ", ".join(f"{n // 1000}k {v:.1f} us" for n, v in paused.items())
-                 + f"; {last // 1000}k / {first // 1000}k: {paused[last] / paused[first]:.2f}")
+                 + ", ".join(f"{_size(n)} {v:.1f} us" for n, v in paused.items())
+                 + f"; {_size(last)} / {_size(first)}: {paused[last] / paused[first]:.2f}")
     for m, b in heap.items():
         lines.append(f"Python heap kept per recorded op ({m}, tracemalloc): {b:.0f} B")
     return "\n".join(lines)
@@ -328,7 +337,7 @@ def paired(results: dict[int, dict[str, dict]], mode: str, base: str) -> str:
     for n, r in results.items():
         f = statistics.median(a / b for a, b in zip(r[mode]["fwd_s"], r[base]["fwd_s"]))
         b = statistics.median(a / b for a, b in zip(r[mode]["bwd_s"], r[base]["bwd_s"]))
-        cells.append(f"{n // 1000}k {f:.2f} / {b:.2f}")
+        cells.append(f"{_size(n)} {f:.2f} / {b:.2f}")
     return f"{mode} / {base} (forward / backward, paired per round): " + ", ".join(cells)
 
 
@@ -361,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(heap, paused)
     if args.baseline:
         print(f"baseline ({args.baseline}): " + ", ".join(
-            f"{n // 1000}k full {r['base-full']['fwd_us']:.1f} / {r['base-full']['bwd_us']:.1f},"
+            f"{_size(n)} full {r['base-full']['fwd_us']:.1f} / {r['base-full']['bwd_us']:.1f},"
             f" save-list {r['base-save']['fwd_us']:.1f} / {r['base-save']['bwd_us']:.1f}"
             for n, r in results.items()) + " us per op")
         for mode, base_mode in (("ac2-full", "base-full"), ("ac2-save", "base-save")):
@@ -369,7 +378,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(paired(results, mode, base_mode))
         if "noop-mode" in modes:
             print("base-full forward / no-op mode: " + ", ".join(
-                f"{n // 1000}k {r['base-full']['fwd_us'] / r['noop-mode']['fwd_us']:.2f}" for n, r in results.items()))
+                f"{_size(n)} {r['base-full']['fwd_us'] / r['noop-mode']['fwd_us']:.2f}" for n, r in results.items()))
         base = importlib.import_module("ac2_baseline")
         for name, policy in (("base-full", "recompute_all"), ("base-save", SAVE)):
             heap[name] = heap_per_op(args.heap_ops, policy, base)

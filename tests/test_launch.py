@@ -95,6 +95,25 @@ def test_bench_gpu_cpu_smoke_run(tmp_path):
     assert all(r["peak_bytes"] > 0 and r["backward_seconds_median"] > 0 for r in results.values())
 
 
+def test_bench_tracer_runs(tmp_path):
+    """The cost-of-recording benchmark: every mode (the record floor included) computes
+    eager's gradient, and a baseline checkout (this one) is timed beside it."""
+    out = os.path.join(tmp_path, "tracer.json")
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "bench_tracer.py"), "--sizes", "200", "400", "--rounds", "2",
+           "--warmup", "0", "--heap-ops", "200", "--baseline", ROOT, "--json", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| record floor |" in proc.stdout and "ac2 full fwd / record floor" in proc.stdout
+    assert "record-floor: forward per op at 400 ops / at 200: " in proc.stdout
+    assert "ac2-full / base-full (forward / backward, paired per round)" in proc.stdout
+    data = json.load(open(out))
+    for size in ("200", "400"):
+        modes = data["results"][size]
+        assert {"record-floor", "ac2-full", "base-full", "noop-mode+hooks"} <= set(modes)
+        assert all(len(m["fwd_s"]) == 2 and min(m["fwd_s"]) > 0 for m in modes.values())
+    assert 0 < data["heap_per_op"]["ac2-full"] < 2000
+
+
 def test_bench_hf_runs():
     pytest.importorskip("transformers", reason="the 'test' extra installs transformers")
     sys.path.insert(0, os.path.join(ROOT, "launch"))
@@ -103,7 +122,8 @@ def test_bench_hf_runs():
     out = bench_hf.main(["--layers", "2", "--dim", "32", "--heads", "4", "--seq", "16", "--batch", "2",
                          "--vocab", "64", "--rounds", "2", "--warmup", "0"])
     results = out["results"]
-    assert set(results) == {"no-ac", "hf-torch", "ac2-hf-enable", "ac2-apply_ac"}
+    assert set(results) == {"no-ac", "hf-torch", "ac2-hf-enable", "ac2-apply_ac", "no-ac+noop-mode"}
+    assert results["no-ac+noop-mode"]["peak_bytes"] == results["no-ac"]["peak_bytes"]  # the mode keeps nothing
     for mode in ("ac2-hf-enable", "ac2-apply_ac"):
         assert results[mode]["kept_after_forward_bytes"] <= results["hf-torch"]["kept_after_forward_bytes"]
         assert results[mode]["peak_bytes"] <= results["hf-torch"]["peak_bytes"]
