@@ -935,14 +935,20 @@ class Graph:
     def _private_replays_left(self) -> bool:
         """A private replay (which takes no pending use) may still run: the graph has cut
         nodes, or an RNG chain has an op ahead of its cursor that backward does not need
-        (replayed privately, for its effect on the generator)."""
+        (replayed privately, for its effect on the generator) before one it does need.
+        Ops after the chain's last needed one are never passed: a random op of a branch
+        autograd freed before backward, which Note [Arming waits for backward] leaves
+        unscheduled, does not keep the graph's saved values alive."""
         if self.has_cuts:
             return True
         for chain in self.rng_chains:
             nodes = chain.nodes
-            for k in range(chain.cursor, len(nodes)):
+            needed_later = False
+            for k in range(len(nodes) - 1, chain.cursor - 1, -1):
                 n = nodes[k]
-                if not n.scheduled and n.values is None:
+                if n.scheduled and n.values is None:
+                    needed_later = True  # _advance will bring the chain here
+                elif needed_later and not n.scheduled and n.values is None:
                     return True
         return False
 

@@ -325,3 +325,42 @@ def test_arming_at_first_read_outside_backward():
     rx, rw = torch.autograd.grad((torch.tanh(torch.tanh(torch.tanh(xr) * wr)) * wr).sum(), (xr, wr))
     assert torch.equal(gx, rx) and torch.equal(gw, rw)
     assert region.stats.cached_bytes == 0
+
+
+def test_a_freed_random_branch_does_not_keep_saved_values(monkeypatch):
+    # Note [Arming waits for backward] leaves a random op of a branch autograd freed
+    # before backward unscheduled, after the chain's last needed op: no private replay
+    # can pass it, so a policy-saved value is still dropped at its last use (Note
+    # [Saved values die at their last use]), as with the branch alive.
+    from ac2_dist import _graph
+
+    F = torch.nn.functional
+    cp = torch.utils.checkpoint.CheckpointPolicy
+    torch.manual_seed(0)
+    X, W, W3 = torch.randn(64, 64), torch.randn(64, 64), torch.randn(64, 64)
+    freed = []
+    free_saved = _graph.Graph._free_saved
+
+    def spy(self, node, idx):
+        free_saved(self, node, idx)
+        freed.append((str(node.op), node.saved[idx] is _graph.FREED))
+
+    monkeypatch.setattr(_graph.Graph, "_free_saved", spy)
+    for keep_branch in (True, False):
+        x, w, w3 = (t.clone().requires_grad_() for t in (X, W, W3))
+        torch.manual_seed(1)
+        with ac.apply_ac_policy({torch.ops.aten.mm.default: cp.MUST_SAVE}, rng="replay") as region:
+            y = (F.dropout(torch.tanh(x @ w), 0.5) ** 2).sum()
+            other = F.dropout((x @ w3).sin(), 0.5).sum()
+        if not keep_branch:
+            del other
+        freed.clear()
+        gx, gw = torch.autograd.grad(y, (x, w))
+        assert freed == [("aten.mm.default", True)], keep_branch
+        assert region.stats.cached_bytes == 0
+        torch.manual_seed(1)
+        xr, wr = X.clone().requires_grad_(), W.clone().requires_grad_()
+        yr = (F.dropout(torch.tanh(xr @ wr), 0.5) ** 2).sum()
+        F.dropout((xr @ W3).sin(), 0.5)
+        rx, rw = torch.autograd.grad(yr, (xr, wr))
+        assert torch.equal(gx, rx) and torch.equal(gw, rw)
