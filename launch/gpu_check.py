@@ -27,8 +27,10 @@ error or "not run" with a ``reason`` -- ``seconds`` and ``checks``):
 - ``memory_reports``: ``memory.track``'s peak against ``torch.cuda.max_memory_allocated``
   and against a ``torch.cuda.memory._record_memory_history`` snapshot (within 2%).
 - ``eager_overhead``: an HF Llama ~1B config (random init) training step: no AC, HF's
-  own checkpointing, ``hf.enable``; at a batch where the CPU is the bottleneck and one
-  where the GPU is: step-time ratios and CPU time per step.
+  own checkpointing, ``hf.enable``, and no AC with each layer's forward under a no-op
+  Python dispatch mode (what any dispatch-mode recorder pays: the CPU-bound case's
+  floor); at a batch where the CPU is the bottleneck and one where the GPU is: step-time
+  ratios and CPU time per step.
 - ``compile``: ``torch.compile`` of GPT blocks checkpointed by ac2 vs by torch's
   checkpoint: step time, peak, gradients.
 - ``full_suite``: the whole test suite (``-n 8``) on this machine's torch, if the time
@@ -600,7 +602,7 @@ def eager_overhead(ctx: Context) -> dict:
     else:  # Llama-3.2-1B's shape (vocab 32000): ~1.1 B parameters
         cfg = dict(layers=16, dim=2048, heads=32, kv_heads=8, intermediate=8192, vocab=32000)
         shapes, rounds, warmup = {"cpu-bound": (1, 128), "gpu-bound": (4, 2048)}, 8, 2
-    modes = ["no-ac", "hf-torch", "ac2-hf-enable"]
+    modes = ["no-ac", "hf-torch", "ac2-hf-enable", "no-ac+noop-mode"]
     seq = max(s for _, s in shapes.values())
     margs = argparse.Namespace(**cfg, seq=seq, device=ctx.device, dtype=ctx.dtype)
     models = {m: bench_hf.build(margs, m) for m in modes}

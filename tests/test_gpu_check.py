@@ -57,6 +57,11 @@ def test_smoke_run_has_every_section_and_writes_the_table(tmp_path):
     assert sections["overlap"]["figures"]["cpu_annotations"] > 0
     assert not has_offload or set(sections["offload"]["figures"]) == {"no-ac", "torch-save_on_cpu", "ac2-offload-all",
                                                    "ac2-offload-mm", "ac2-full"}
+    eager = sections["eager_overhead"]
+    if eager["status"] != "not run":  # transformers installed (the test extra)
+        for v in eager["figures"].values():
+            assert set(v["modes"]) == {"no-ac", "hf-torch", "ac2-hf-enable", "no-ac+noop-mode"}
+        assert all(c["ok"] for c in eager["checks"])  # the no-op mode's gradients are no AC's
     md = (out / "gpu_check.md").read_text()
     assert md.startswith("# ac2_dist GPU check") and torch.__version__ in md
     for name in gpu_check.SECTION_NAMES:
