@@ -18,6 +18,11 @@ def _chain(x: torch.Tensor, w: torch.Tensor, n_ops: int) -> torch.Tensor:
     return h
 
 
+def _leaves() -> tuple[torch.Tensor, torch.Tensor]:
+    """The chain's input and weight: two 16-element leaves that require grad."""
+    return torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+
+
 def _eager_grads(x, w, n_ops):
     xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
     return torch.autograd.grad(_chain(xr, wr, n_ops).sum(), (xr, wr))
@@ -39,8 +44,7 @@ class _CountSaves(torch.autograd.graph.saved_tensors_hooks):
 def test_one_handle_per_saved_value_and_every_save_counted():
     # Note [One handle per saved value]: tanh's result is saved by tanh and by mul;
     # w by every mul. One handle each, whose count is the number of saves.
-    x = torch.randn(16, requires_grad=True)
-    w = torch.randn(16, requires_grad=True)
+    x, w = _leaves()
     n = 200
     saves = _CountSaves()
     with saves:
@@ -61,8 +65,7 @@ def test_one_handle_per_saved_value_and_every_save_counted():
 
 
 def test_shared_handles_across_retained_and_partial_backwards():
-    x = torch.randn(16, requires_grad=True)
-    w = torch.randn(16, requires_grad=True)
+    x, w = _leaves()
     n = 40
     with ac.apply_ac_policy("recompute_all") as region:
         y = _chain(x, w, n).sum()
@@ -130,8 +133,7 @@ def test_gc_tracked_objects_per_recorded_op(policy):
     # whose graph is alive: the node and its inputs tuple, and one handle (with its weak
     # reference) per saved value; use counts are one array per graph. Before issue 23:
     # 7.5 per op (3.0 now for recompute_all, 4.0 with the save list).
-    x = torch.randn(16, requires_grad=True)
-    w = torch.randn(16, requires_grad=True)
+    x, w = _leaves()
     n = 2000
 
     def region():
@@ -289,8 +291,7 @@ def test_arming_waits_for_backward_and_skips_freed_saves():
     # Note [Arming waits for backward]: forward adds no pending use; the first unpack
     # arms every live handle. A branch whose autograd graph died before backward (its
     # saves freed) is not armed: nothing of it is replayed or left cached.
-    x = torch.randn(16, requires_grad=True)
-    w = torch.randn(16, requires_grad=True)
+    x, w = _leaves()
     n = 40
     with ac.apply_ac_policy("recompute_all") as region:
         y = _chain(x, w, n).sum()
@@ -312,8 +313,7 @@ def test_arming_waits_for_backward_and_skips_freed_saves():
 def test_arming_at_first_read_outside_backward():
     # A saved tensor read in forward (grad_fn._saved_*) settles the graph too; later
     # saves are armed as they are packed, and backward is still exact.
-    x = torch.randn(16, requires_grad=True)
-    w = torch.randn(16, requires_grad=True)
+    x, w = _leaves()
     with ac.apply_ac_policy("recompute_all") as region:
         h = torch.tanh(x) * w
         t = torch.tanh(h)
