@@ -133,47 +133,31 @@ Note [Saved values are version-checked references]
 from __future__ import annotations
 
 import threading
-import types
 import weakref
 from array import array
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ._compat import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD
-from ._policy import SAVE_WITH_HOOKS, Decision
+from ._nodes import (
+    FREED,
+    NO_KWARGS,
+    Handle,
+    Node,
+    RngChain,
+    Saved,
+    TensorMap,
+    producers,
+    tensor_nbytes,
+    version_of,
+)
+from ._policy import Decision
+from ._replayer import Replayer
 from .compile import skip_dynamo
 from .fsdp import ensure_unsharded
 
 _CP = torch.utils.checkpoint.CheckpointPolicy
-# Compared by identity: ``d in CPU_OFFLOAD`` hashes the enum (a Python call) per saved value.
-_MUST_OFFLOAD, _PREFER_OFFLOAD = MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD
-_AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
-
-#: The ``kwargs`` of a node whose op got none (read-only, shared).
-NO_KWARGS: Mapping[str, Any] = types.MappingProxyType({})
-
-#: Why a value is held after forward (keys of ``RankReport.saved_bytes_by_reason``).
-REASONS = ("policy", "side_effect", "rng", "boundary", "tagged", "offloaded")
-
-
-def alias(t: torch.Tensor) -> torch.Tensor:
-    """``t.detach()`` sharing ``t``'s version counter even inside the tracer.
-
-    Below the ADInplaceOrView key (in a dispatch mode) a plain ``detach()`` gets a
-    fresh version counter, which would blind the version check of saved values.
-    """
-    with torch._C._SetExcludeDispatchKeyGuard(_AD_INPLACE_OR_VIEW, False):
-        return t.detach()
-
-
-def tensor_nbytes(t: torch.Tensor) -> int:
-    try:
-        return t.numel() * t.element_size()
-    except Exception:  # exotic subclasses without a size
-        return 0
 
 
 @dataclass
@@ -197,145 +181,7 @@ class GraphStats:
     recomputed_by_module: dict[str, int] = field(default_factory=dict)  # only while tracked
 
 
-def version_of(t: torch.Tensor) -> int | None:
-    """``t._version``, or ``None`` for an inference tensor (it has no version counter
-    and cannot be modified outside ``torch.inference_mode``: nothing to check)."""
-    return None if t.is_inference() else t._version
 
-
-class Saved:
-    """A value kept from forward: a version-checked reference, offloaded, or packed."""
-
-    __slots__ = (
-        "value", "version", "counter", "hooks", "meta", "device", "allow_mutation", "reason", "nbytes",
-        "owner", "detached", "offloaded",
-    )
-
-    def __init__(
-        self,
-        t: torch.Tensor,
-        decision: Decision,
-        *,
-        reason: str,
-        allow_mutation: bool,
-        keep_identity: bool,
-        owner: str,
-        version: int | None = None,
-        counter: torch.Tensor | None = None,
-        offload: Any = None,
-    ) -> None:
-        self.reason = reason
-        self.allow_mutation = allow_mutation
-        self.owner = owner
-        self.nbytes = tensor_nbytes(t)
-        self.hooks: SAVE_WITH_HOOKS | None = None
-        self.meta: tuple | None = None
-        self.device: torch.device | None = None
-        self.version: int | None = None
-        # The tensor whose version counter guards the value (Note [Versions of view
-        # outputs] in _tracer.py: a view's own counter is replaced after the tracer).
-        self.counter: torch.Tensor | None = counter
-        # ``value`` is an offload.OffloadedTensor: the block's offload schedule holds it
-        # (Note [The offload schedule] in offload.py; ``offload`` is the region's block).
-        self.offloaded = False
-        # The stored value has no autograd history although the original may have had
-        # one: it cannot serve a create_graph=True backward.
-        self.detached = (not keep_identity or isinstance(decision, SAVE_WITH_HOOKS)) and (
-            t.is_floating_point() or t.is_complex()
-        )
-        if isinstance(decision, SAVE_WITH_HOOKS):
-            self.hooks = decision
-            self.meta = (t.shape, t.dtype, t.device)
-            self.value = decision.pack(t if keep_identity else alias(t))
-            self.reason = "offloaded"
-            return
-        if decision is _MUST_OFFLOAD or decision is _PREFER_OFFLOAD:
-            self.reason = "offloaded"
-            if offload is not None and offload.takes(t):
-                self.offloaded = True
-                version = version_of(counter if counter is not None else t) if version is None else version
-                self.value = offload.save(alias(t), version=version, counter=counter, allow_mutation=allow_mutation,
-                                          owner=owner)
-                self.counter = None
-                return
-            if t.device.type != "cpu":  # no schedule: a synchronous copy
-                self.device = t.device
-                self.value = alias(t).to("cpu", non_blocking=True)
-                return
-        self.value = t if keep_identity else alias(t)
-        self.version = version_of(counter if counter is not None else t) if version is None else version
-
-    def snapshot(self) -> None:
-        """Keep a private copy: the referenced tensor is about to be written in place
-        while replays still need its current value (Note [Versions of written tensors])."""
-        if self.offloaded:  # Note [Offloaded values that are written] (offload.py)
-            self.value.before_write()
-            return
-        if self.hooks is None and self.device is None:
-            with torch.no_grad():
-                self.value = alias(self.value).clone()
-            self.version = None
-            self.counter = None
-
-    def get(self) -> torch.Tensor:
-        if self.offloaded:
-            return self.value.fetch()
-        if self.hooks is not None:
-            return self._unpacked()
-        if self.device is not None:
-            return self.value.to(self.device, non_blocking=True)
-        if self.version is not None and not self.allow_mutation:
-            now = (self.counter if self.counter is not None else self.value)._version
-            if now != self.version:
-                raise RuntimeError(
-                    f"ac2_dist: a tensor saved for recompute ({self.owner}) was modified in place "
-                    f"after it was saved (version {self.version} -> {now}); the "
-                    "value backward needs is gone. Avoid the in-place op (or clone before it), or "
-                    "pass allow_cache_entry_mutation=True to the region if using the mutated "
-                    "value is intended."
-                )
-        return self.value
-
-    def _unpacked(self) -> torch.Tensor:
-        unpack = self.hooks.unpack
-        t = unpack(self.value)
-        shape, dtype, device = self.meta
-        if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != device:
-            got = (
-                f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}" if isinstance(t, torch.Tensor)
-                else f"a {type(t).__name__}"
-            )
-            name = getattr(unpack, "__qualname__", None) or repr(unpack)
-            raise RuntimeError(
-                f"ac2_dist: the SAVE_WITH_HOOKS unpack hook {name} returned {got} for the saved "
-                f"{self.owner}, which was packed with shape {tuple(shape)}, dtype {dtype}, device "
-                f"{device}. unpack must restore a tensor like the one pack received."
-            )
-        return t
-
-
-class _Freed:
-    """What a saved slot holds once its value was dropped after its last use (Note
-    [Saved values die at their last use]): counted as saved, so nothing tries to
-    recompute through it, and an error if anything still asks for it."""
-
-    __slots__ = ()
-    value = hooks = device = version = counter = meta = None
-    detached = allow_mutation = offloaded = False
-    reason, nbytes, owner = "policy", 0, "freed saved value"
-
-    def snapshot(self) -> None:
-        return None
-
-    def get(self) -> torch.Tensor:
-        raise RuntimeError(
-            "ac2_dist: a value saved for recompute was read after its last use in this backward "
-            "had freed it (a saved tensor unpacked again after the tensors read the first time "
-            "were released?). Backward with retain_graph=True keeps saved values for another use."
-        )
-
-
-FREED = _Freed()
 # Zeroed use counters for a node of n outputs (Note [Use counts live in one array]).
 _ONE_ZERO = (0,)
 _ZEROS = tuple(array("q", bytes(8 * n)) for n in range(16))
@@ -344,263 +190,14 @@ _new_object = object.__new__
 _MISSING = object()  # Graph._existing: the value needs the executor
 
 
-class Node:
-    """One recorded op call. Leaves (``op is None``) are region inputs. Made by
-    :meth:`Graph.new_node` only (it sets every slot).
-
-    Note [Rare node fields live in a lazy dict]
-        The tracer makes one node per op, so the node is kept small: the fields every
-        node sets are slots; the ones few nodes set (written positions, RNG chains,
-        undeclared aliases, cut marks, ...) are class attributes holding the default,
-        and an assignment creates the instance ``__dict__`` only for the node that
-        needs it (reads fall back to the class default). ``kwargs`` defaults to a
-        shared read-only empty mapping: a node is never given a dict it does not use.
-    """
-
-    __slots__ = (
-        "op",
-        "seq",
-        "args",
-        "kwargs",
-        "inputs",
-        "saved",
-        "values",
-        "nout",
-        "scheduled",
-        "fqn",
-        "readers",
-        "held",
-        "viewed",
-        "viewers",
-        "__dict__",
-        "__weakref__",
-    )
-    op: Any
-    seq: int
-    args: tuple
-    kwargs: Mapping[str, Any]
-    inputs: tuple
-    saved: list[Saved | None] | None
-    values: list[Any] | None
-    nout: int
-    scheduled: bool
-    fqn: str
-    readers: int
-    held: int
-    viewed: bool
-    viewers: int
-
-    # ---- rare fields: class defaults (Note [Rare node fields live in a lazy dict]) ----
-    lists = False  # args/kwargs hold lists with tensor slots
-    # (index of its chain in Graph.rng_chains, position in the chain): ints, not the
-    # chain itself, which holds its nodes (no reference cycle: Note [One generator
-    # state per region]).
-    rng: tuple[int, int] | None = None
-    must_recompute = False  # the policy said MUST_RECOMPUTE: never made a boundary
-    fsdp_unit: weakref.ref | None = None  # leaf = unsharded param of this FSDP unit
-    # Note [Aliases a schema does not declare] (_tracer.py): the (node, idx) whose
-    # storage its output shares, and whether another node's output shares its storage.
-    alias_of: tuple[Node, int] | None = None
-    aliased = False
-    # Input positions this (recomputable) op writes in place (Note [Replaying writes
-    # to fresh tensors]); () for ops that write nothing.
-    writes: tuple = ()
-    cut = False  # output of a nested checkpointed module (Note [Nested modules cut the replay])
-    # A write through a view of a fresh value (Note [Writes through views of fresh
-    # tensors]): the view ops that rebuild the written view from the base, as
-    # (op, args, kwargs, source position); its last output is the written base.
-    via: tuple | None = None
-    # Accumulator arguments a replay fills with scratch zeros, as (position, shape,
-    # dtype, device) (Note [Statistics an op accumulates] in side_effects.py).
-    scratch: tuple = ()
-
-    def __repr__(self) -> str:
-        return f"Node({self.op or 'input'}, seq={self.seq})"
-
-    def has_value(self, idx: int) -> bool:
-        if self.saved is not None and self.saved[idx] is not None:
-            return True
-        return self.values is not None and self.values[idx] is not None
-
-    def set_saved(self, idx: int, saved: Saved) -> None:
-        if self.saved is None:
-            self.saved = [None] * self.nout
-        self.saved[idx] = saved
-
-    @property
-    def name(self) -> str:
-        return "region input" if self.op is None else f"output of {self.op}"
-
-
-def input_refs(node: Node) -> Iterator[tuple[Any, Node, int]]:
-    """``(position, producer, output index)`` of each tensor argument of ``node``.
-
-    Note [Node inputs are one flat tuple]
-        A recorded op's tensor arguments are kept as one flat tuple of triples
-        ``(pos, producer, idx, ...)`` rather than a list of 3-tuples: one object per
-        node instead of one plus one per input. Every node lives until backward, and
-        objects the garbage collector tracks are what makes recording slow down with
-        region length (full collections scan them all).
-    """
-    it = iter(node.inputs)
-    return zip(it, it, it)
-
-
-def producers(node: Node) -> Iterator[tuple[Node, int]]:
-    """``(producer, output index)`` of each tensor argument of ``node``
-    (Note [Node inputs are one flat tuple])."""
-    inp = node.inputs
-    return zip(inp[1::3], inp[2::3])
-
-
-class RngChain:
-    """The random ops of a region on one generator, replayed in forward order
-    (Note [One generator state per region])."""
-
-    __slots__ = ("generator", "index", "start", "state", "cursor", "nodes")
-
-    def __init__(self, generator: torch.Generator, index: int) -> None:
-        self.generator = generator
-        self.index = index  # in Graph.rng_chains
-        self.start = generator.get_state()  # before the chain's first op, in forward
-        self.state = self.start  # before nodes[cursor], during backward
-        self.cursor = 0
-        self.nodes: list[Node] = []
-
-    def rewind(self) -> None:
-        self.state, self.cursor = self.start, 0
-
-
-def flatten_outputs(out: Any) -> list[Any]:
-    """Flatten an op's return value (tensor, or tuple/list nesting one list level)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        flat: list[Any] = []
-        for o in out:
-            if isinstance(o, (tuple, list)):
-                flat.extend(o)
-            else:
-                flat.append(o)
-        return flat
-    return [out]
-
-
-class MapEntry(weakref.ref):
-    """What the tensor map holds for one tensor: a weak reference to it that also
-    carries the node output it currently is and the version recorded then.
-
-    Note [Map entries are the weak references]
-        One object per mapped tensor instead of a weak reference plus a tuple: fewer
-        objects for the garbage collector to track per recorded op. An entry is never
-        changed after it is made (remapping a tensor makes a new entry), so one a
-        caller holds stays what it was. Indexing (``e[1]`` node, ``e[2]`` index,
-        ``e[3]`` version, ``e[0]`` the reference) reads like the tuple it replaced.
-    """
-
-    __slots__ = ("key", "node", "idx", "version", "handle")
-
-    key: int
-    node: Node
-    idx: int
-    version: int | None
-    # The handle autograd got for this tensor while it was this node output, if any
-    # (Note [One handle per saved value]); the only field set after the entry is made.
-    handle: Handle | None
-
-    def __getitem__(self, i: int) -> Any:
-        return (self, self.node, self.idx, self.version)[i]
-
-
-class TensorMap:
-    """tensor -> :class:`MapEntry` (node, output index, version), keyed by object identity.
-
-    A plain dict keyed by ``id(t)``; each entry is a weak reference whose callback
-    removes the entry when the tensor dies (so the map never keeps a node, and hence
-    no saved value, alive). Lookups compare the referent with ``is``, so a recycled
-    ``id`` never matches. About 10x cheaper per lookup than ``WeakTensorKeyDictionary``
-    on the tracer's hot path.
-    """
-
-    __slots__ = ("_d", "_cb", "__weakref__")
-
-    def __init__(self) -> None:
-        self._d: dict[int, MapEntry] = {}
-        # The callback must not reference the map strongly: entries hold weakrefs
-        # whose callback is this function, and a strong path back would make a cycle
-        # that keeps every entry (and its node's saved values) alive until gc runs.
-        this = weakref.ref(self)
-
-        def _dead(ref: MapEntry) -> None:
-            owner = this()
-            if owner is not None:
-                e = owner._d.get(ref.key)
-                if e is ref:
-                    del owner._d[ref.key]
-
-        self._cb = _dead
-
-    def get(self, t: torch.Tensor) -> MapEntry | None:
-        e = self._d.get(id(t))
-        if e is not None and e() is t:
-            return e
-        return None
-
-    def set(self, t: torch.Tensor, node: Node, idx: int, version: int | None) -> None:
-        key = id(t)
-        e = MapEntry(t, self._cb)
-        e.key = key
-        e.node = node
-        e.idx = idx
-        e.version = version
-        e.handle = None
-        self._d[key] = e
-
-
 def _wrapped_fqn(module: Any, default: str) -> str:
     wrapped = getattr(module, "__dict__", {}).get("_ac2_wrap")  # _modules._CheckpointedForward
     return wrapped.source.module_fqn if wrapped is not None else default
 
 
-class Handle:
-    """What autograd keeps instead of a saved tensor: a pointer to a node output.
-    Made by :meth:`Graph.pack` only (it sets every slot).
-
-    A handle has no reference to its graph: autograd keeps the graph's bound
-    ``unpack`` beside every handle (the region's saved-tensor hooks), which is how an
-    unpack finds it. Its pack order is its position in the graph's list (Note [Handles
-    are weakly listed]).
-
-    Note [One handle per saved value]
-        Autograd often saves one tensor several times: an activation is saved by the op
-        that made it (``tanh``'s result) and by the op that reads it (``mul``'s self);
-        a weight by every op that multiplies with it. Every save of a tensor that is
-        still the same node output gets the same handle, as long as no backward has
-        read it yet: ``count`` says how many saved variables share it and each save
-        arms one pending use, as separate handles did. A backward's unpacks take one
-        use each until ``taken`` reaches ``count``; a read past that is a second read
-        of one saved variable (Note [Epochs: retain_graph=True]). A new backward over
-        a retained graph gives back the ``taken`` uses. One handle (and one weak
-        reference to it) per saved value instead of per save: less Python heap and
-        fewer objects for the garbage collector per recorded op.
-    """
-
-    __slots__ = ("node", "idx", "count", "consumed_task", "taken", "prefetched", "ready", "last", "__weakref__")
-
-    node: Node
-    idx: int
-    count: int  # saved variables sharing it (Note [One handle per saved value])
-    # The autograd GraphTask (one backward call) that consumed this handle's pending
-    # uses, if any, and how many it took (Note [Epochs: retain_graph=True]).
-    consumed_task: int | None
-    taken: int
-    prefetched: Any  # value realized ahead of its unpack (Note [Prefetching ...])
-    ready: Any  # the event that value is ready on (side-stream executor)
-    last: weakref.ref | None  # what consumed_task's unpack returned (a second read)
-
 
 def _took(h: Handle, task: int) -> None:
-    """Count one use of ``h`` taken by backward ``task`` (Note [One handle per saved value])."""
+    """Count one use of ``h`` taken by backward ``task`` (Note [One handle per saved value] in _nodes.py)."""
     if h.consumed_task is None:
         h.consumed_task, h.taken = task, 1
     else:
@@ -615,11 +212,8 @@ def _remember(h: Handle, v: Any) -> Any:
     return v
 
 
-def _node_seq(n: Node) -> int:
-    return n.seq
 
-
-class Graph:
+class Graph(Replayer):
     """Nodes of one outermost region plus the tensor -> node-output map of forward."""
 
     def __init__(self, executor: Any, frames: list) -> None:
@@ -675,7 +269,7 @@ class Graph:
         self.seq = seq + nout
         self.uses.extend(_ZEROS[nout] if nout < len(_ZEROS) else array("q", bytes(8 * nout)))
         self.stats.nodes += 1
-        # The fields every node sets (Note [Rare node fields live in a lazy dict]),
+        # The fields every node sets (Note [Rare node fields live in a lazy dict] in _nodes.py),
         # without a Python __init__ call: the tracer makes one node per recorded op.
         node = _new_object(Node)
         node.op = op
@@ -825,7 +419,7 @@ class Graph:
             node, idx = e.node, e.idx  # Graph.ref, inlined: the common case
             h = e.handle
             if h is not None and h.consumed_task is None and h.prefetched is None:
-                node.held += 1  # saved again: the same handle (Note [One handle per saved value])
+                node.held += 1  # saved again: the same handle (Note [One handle per saved value] in _nodes.py)
                 lock = self.lock
                 lock.acquire()  # not `with`: half the cost, once per saved tensor (hot path)
                 try:
@@ -968,187 +562,6 @@ class Graph:
                 "you differentiate twice, so every value is recomputed from the region inputs."
             )
         return s.get()
-
-    def realize(self, node: Node, idx: int) -> Any:
-        """Value of ``node[idx]``, replaying what is missing from the nearest saved values."""
-        if not node.has_value(idx):
-            self._replay(node)
-        return self.take(node, idx)
-
-    def _replay(self, node: Node) -> None:
-        """Compute ``node``'s outputs through the normal (pending-use) path: replay what is
-        missing in program order, filling cut nodes from their private replays."""
-        if node.cut:
-            self._fill_cut(node)
-            return
-        for n in self._missing(node):
-            if n.cut:
-                self._fill_cut(n)
-            else:
-                self._run(n)
-
-    @staticmethod
-    def _missing(node: Node) -> list[Node]:
-        """Nodes to run (or cut nodes to fill) for ``node``'s outputs, in program order;
-        the walk stops at values that exist and at cut nodes."""
-        todo = {node}
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            for m, j in producers(n):
-                if m not in todo and not m.has_value(j):
-                    todo.add(m)
-                    if not m.cut:
-                        stack.append(m)
-        return sorted(todo, key=_node_seq)
-
-    def _fill_cut(self, cut: Node) -> None:
-        """Compute a cut node's outputs by a private replay of what it depends on
-        (Note [Nested modules cut the replay]); cache the outputs someone waits for."""
-        self._keep(cut, self._private(cut))
-
-    def _private(self, node: Node) -> list[Any]:
-        """``node``'s outputs from a replay that takes no pending use and caches
-        nothing but the cut nodes it meets (those are armed: their consumers wait).
-
-        Its own intermediates are use-counted within the replay: each is dropped as
-        soon as the last node of the replay that reads it has run, so a private replay
-        holds its live frontier, not every value it computed.
-        """
-        order = self._missing(node)
-        order.remove(node)
-        local: dict[Node, list] = {}
-        uses: dict[tuple[Node, int], int] = {}
-        runs = [n for n in order if not n.cut]
-        runs.append(node)
-        members = set(runs)
-        for n in runs:
-            for m, j in producers(n):
-                if m in members:
-                    uses[m, j] = uses.get((m, j), 0) + 1
-
-        def value_of(m: Node, j: int) -> tuple[Any, bool]:
-            values = local.get(m)
-            if values is None:  # a saved or cached value of the graph: others use it too
-                return self._peek(m, j), True
-            v = values[j]
-            left = uses[m, j] - 1
-            uses[m, j] = left
-            if left == 0:
-                values[j] = None
-            return v, left > 0
-
-        for n in order:
-            if n.cut:
-                self._fill_cut(n)
-            else:
-                local[n] = self._execute(n, value_of)
-        return self._execute(node, value_of)
-
-    def _peek(self, node: Node, idx: int) -> Any:
-        """``node[idx]`` for a private replay: no pending use is taken (it has none)."""
-        if node.saved is not None and node.saved[idx] is not None:
-            return self._saved_value(node, idx)
-        return node.values[idx]
-
-    def _take_shared(self, node: Node, idx: int) -> tuple[Any, bool]:
-        """``take`` for a replay: the value and whether anyone else still holds it."""
-        v = self.take(node, idx)
-        return v, node.has_value(idx)
-
-    def _run(self, node: Node) -> None:
-        if node.op is None or node.saved is not None and all(s is not None for s in node.saved):
-            raise RuntimeError(f"ac2_dist internal error: asked to replay {node.name}")
-        if not node.scheduled:  # defensive: keep take() balanced
-            for m, j in producers(node):
-                self.arm(m, j)
-        node.scheduled = False
-        self._keep(node, self._execute(node, self._take_shared))
-
-    def _execute(self, node: Node, value_of: Any) -> list[Any]:
-        """Run ``node``; flat outputs. ``value_of(producer, idx)`` gives each input and
-        whether someone else still needs that value (then a write to it goes to a copy)."""
-        if node.lists:
-            args = [list(a) if type(a) is list else a for a in node.args]
-            kwargs = {k: list(v) if type(v) is list else v for k, v in node.kwargs.items()}
-        else:
-            args = list(node.args)
-            kwargs = dict(node.kwargs) if node.kwargs else {}
-        writes = node.writes
-        cloned = 0
-        base = None
-        it = iter(node.inputs)
-        for pos, m, j in zip(it, it, it):
-            v, shared = value_of(m, j)
-            if writes and pos in writes:
-                if shared:
-                    # Someone else still needs the value from before the write (Note
-                    # [Replaying writes to fresh tensors]).
-                    v = v.clone()
-                    cloned += tensor_nbytes(v)
-                if node.via is not None:  # Note [Writes through views of fresh tensors]
-                    base = v
-                    for op, vargs, vkwargs, src in node.via:
-                        vargs = list(vargs)
-                        vargs[src] = v
-                        v = op(*vargs, **vkwargs)
-            if type(pos) is int:
-                args[pos] = v
-            elif type(pos) is str:
-                kwargs[pos] = v
-            else:
-                p, k = pos
-                (args if type(p) is int else kwargs)[p][k] = v
-        for pos, shape, dtype, device in node.scratch:  # Note [Statistics an op accumulates]
-            args[pos] = torch.zeros(shape, dtype=dtype, device=device)
-        chain = None
-        if node.rng is not None:
-            chain = self.rng_chains[node.rng[0]]
-            self._advance(chain, node.rng[1])
-        flat = flatten_outputs(self.executor.run(node, args, kwargs, chain))
-        if base is not None:
-            flat.append(base)
-        stats = self.stats
-        stats.recomputed_ops += 1
-        allocated = 0
-        for v in flat:
-            if isinstance(v, torch.Tensor) and not v._is_view():  # views allocate nothing
-                allocated += tensor_nbytes(v)
-        if writes:  # written in place: the bytes were counted for the producer (or the clone)
-            allocated = cloned
-        stats.recomputed_bytes += allocated
-        if self.tracker is not None:
-            by_module = stats.recomputed_by_module
-            by_module[node.fqn] = by_module.get(node.fqn, 0) + allocated
-        return flat
-
-    def _advance(self, chain: RngChain, k: int) -> None:
-        """Bring ``chain`` to the state right before its ``k``-th op (Note [One
-        generator state per region])."""
-        if chain.cursor > k:
-            chain.rewind()
-        while chain.cursor < k:
-            i = chain.cursor
-            j = chain.nodes[i]
-            if j.scheduled and j.values is None:
-                self._replay(j)  # needed by backward: the normal path
-            else:
-                self._private(j)  # for its effect on the generator only
-            if chain.cursor <= i:
-                raise RuntimeError(f"ac2_dist internal error: the RNG chain did not advance past {j.name}")
-
-    def _keep(self, node: Node, flat: list[Any]) -> None:
-        """Cache the outputs of a replayed node that consumers wait for."""
-        stats = self.stats
-        uses, seq = self.uses, node.seq
-        for i, v in enumerate(flat):
-            if isinstance(v, torch.Tensor) and uses[seq + i] > 0 and (node.saved is None or node.saved[i] is None):
-                stats.cached_bytes += tensor_nbytes(v)
-            else:
-                flat[i] = None
-        stats.peak_cached_bytes = max(stats.peak_cached_bytes, stats.cached_bytes)
-        node.values = flat
-
     @skip_dynamo
     def unpack(self, h: Handle) -> Any:
         """The saved-tensor unpack hook of the region (its pack hook is :meth:`pack`)."""
@@ -1169,7 +582,7 @@ class Graph:
                 # Read outside backward, or once more than it was saved in the same
                 # backward (a custom Function reading ctx.saved_tensors twice): the value
                 # the first read returned if it is still alive, else one extra use of
-                # this value (Note [One handle per saved value]).
+                # this value (Note [One handle per saved value] in _nodes.py).
                 v = h.last() if h.last is not None and task >= 0 else None
                 if v is not None:
                     return v
@@ -1292,7 +705,7 @@ class Graph:
 
     def _new_epoch(self, task: int) -> None:
         """A new backward over a retained graph: every handle consumed by an earlier one
-        gets the pending uses it took back (Note [One handle per saved value]); a parked
+        gets the pending uses it took back (Note [One handle per saved value] in _nodes.py); a parked
         prefetched value is still valid and serves one unpack of this backward."""
         self.epoch += 1
         self.stats.backward_epochs += 1

@@ -86,7 +86,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._graph import Graph, Node, Saved, alias, flatten_outputs, version_of
+from ._graph import Graph
+from ._nodes import Node, Saved, alias, flatten_outputs, version_of
 from ._policy import PolicyContext, is_save, resolve
 from .compile import COMPILER_STATE as _COMPILER
 from .compile import skip_dynamo as _skip_dynamo
@@ -322,7 +323,7 @@ class Tracer(TorchDispatchMode):
             if rng is not None:
                 node.rng = (rng.index, len(rng.nodes))
                 rng.nodes.append(node)
-            if decision is _MUST_RECOMPUTE:  # Note [Rare node fields live in a lazy dict]
+            if decision is _MUST_RECOMPUTE:  # Note [Rare node fields live in a lazy dict] (_nodes.py)
                 node.must_recompute = True
             if fresh:  # Note [Replaying writes to fresh tensors] (_graph.py)
                 node.writes = info.written
@@ -521,7 +522,7 @@ class Tracer(TorchDispatchMode):
                 inputs[k + 1].readers -= 1
                 m.readers += 1
                 inputs[k + 1], inputs[k + 2] = m, j
-        node.inputs = tuple(inputs)  # Note [Node inputs are one flat tuple] (_graph.py)
+        node.inputs = tuple(inputs)  # Note [Node inputs are one flat tuple] (_nodes.py)
         node.via = steps
 
     def _snapshot_read(self, tensors) -> None:
@@ -542,7 +543,7 @@ class Tracer(TorchDispatchMode):
     @staticmethod
     def _recomputable(graph: Graph, func, info, args, kwargs, nout, frame, scratch=()) -> Node:
         node = graph.new_node(func, nout, frame.module_fqn)
-        # Note [Node inputs are one flat tuple] (_graph.py), in argument order. Built by
+        # Note [Node inputs are one flat tuple] (_nodes.py), in argument order. Built by
         # tuple concatenation (arguments are few); a tensor list (cat of many) in one step.
         inputs: tuple = ()
         allow = frame.allow_mutation
@@ -571,7 +572,7 @@ class Tracer(TorchDispatchMode):
                     targs[i], refs = _list_refs(graph, node, i, a, allow)
                     inputs += refs
         n = len(args)
-        # Note [Rare node fields live in a lazy dict] (_graph.py): all-tensor arguments
+        # Note [Rare node fields live in a lazy dict] (_nodes.py): all-tensor arguments
         # share one tuple of Nones per length.
         if targs is not None:
             node.args = tuple(targs)

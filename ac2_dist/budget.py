@@ -92,7 +92,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
-from ._graph import flatten_outputs, input_refs
+from ._nodes import flatten_outputs, input_refs
 from ._peak import PeakPlanner, _Option, parse_size
 from .fsdp import own_ops_scope
 from .side_effects import op_info

@@ -31,7 +31,8 @@ import torch
 import torch.nn as nn
 
 from ._alloc import AllocationTrace, active_trace
-from ._graph import REASONS, Graph, GraphStats, Node
+from ._graph import Graph, GraphStats
+from ._nodes import REASONS, Node
 from ._region import _thread_state
 
 __all__ = ["RankReport", "Tracker", "track", "gather", "format_table", "plot", "save_run", "load_run", "run_warnings"]
@@ -197,7 +198,7 @@ def _held_bytes(graphs: Iterable[Graph], params: set[int]) -> tuple[dict[str, in
             if id(node) in visited:
                 continue
             visited.add(id(node))
-            stack.extend(node.inputs[1::3])  # Note [Node inputs are one flat tuple] (_graph.py)
+            stack.extend(node.inputs[1::3])  # Note [Node inputs are one flat tuple] (_nodes.py)
             for s in node.saved or ():
                 # An offloaded value occupies its device tensor or its host copy (offload.py).
                 t = s.value.held() if s is not None and s.offloaded else getattr(s, "value", None)

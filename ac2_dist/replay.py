@@ -70,7 +70,7 @@ def trace_range(name: str) -> Any:
     return record_function(name) if torch._C._autograd._profiler_enabled() else _NULL
 
 if TYPE_CHECKING:
-    from ._graph import Node, RngChain
+    from ._nodes import Node, RngChain
 
 
 def default_generator(device: torch.device) -> torch.Generator:

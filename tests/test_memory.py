@@ -10,7 +10,7 @@ from _models import GPT, OpCounter
 
 import ac2_dist as ac
 from ac2_dist._alloc import AllocationTrace
-from ac2_dist._graph import Node
+from ac2_dist._nodes import Node
 
 N = 256
 

@@ -42,7 +42,7 @@ class _CountSaves(torch.autograd.graph.saved_tensors_hooks):
 
 
 def test_one_handle_per_saved_value_and_every_save_counted():
-    # Note [One handle per saved value]: tanh's result is saved by tanh and by mul;
+    # Note [One handle per saved value] (_nodes.py): tanh's result is saved by tanh and by mul;
     # w by every mul. One handle each, whose count is the number of saves.
     x, w = _leaves()
     n = 200

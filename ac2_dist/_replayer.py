@@ -1,0 +1,221 @@
+"""Replaying recorded ops in backward: the half of :class:`~ac2_dist._graph.Graph` that
+computes the node outputs backward asks for from the nearest saved values.
+
+:class:`Replayer` is ``Graph``'s base class. It runs what is missing in program order
+through the normal path (taking pending uses: Note [Use counts free recomputed values
+as soon as consumed]), fills cut nodes from private replays (Note [Nested modules cut
+the replay]), brings RNG chains to the state before a random op (Note [One generator
+state per region]), replays writes into fresh values (Note [Replaying writes to fresh
+tensors], Note [Writes through views of fresh tensors]) and caches the outputs
+consumers wait for. The Notes are in ``_graph.py``; the use counts, saved values,
+executor, statistics and chains it works on are the graph's.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._nodes import flatten_outputs, producers, tensor_nbytes
+
+if TYPE_CHECKING:
+    from ._graph import GraphStats
+    from ._nodes import Node, RngChain
+
+
+def _node_seq(n: Node) -> int:
+    return n.seq
+
+
+class Replayer:
+    """Base class of :class:`~ac2_dist._graph.Graph`: the replay of recorded ops (see
+    the module docstring). Its methods read the graph's state below and call the
+    graph's ``take``, ``arm`` and ``_saved_value``."""
+
+    uses: array  # pending uses per node output (Note [Use counts live in one array])
+    stats: GraphStats
+    executor: Any  # runs one node (ac2_dist.replay: inline, side stream)
+    tracker: Any  # an active ac2_dist.memory.Tracker, if any
+    rng_chains: list[RngChain]
+
+    def realize(self, node: Node, idx: int) -> Any:
+        """Value of ``node[idx]``, replaying what is missing from the nearest saved values."""
+        if not node.has_value(idx):
+            self._replay(node)
+        return self.take(node, idx)
+
+    def _replay(self, node: Node) -> None:
+        """Compute ``node``'s outputs through the normal (pending-use) path: replay what is
+        missing in program order, filling cut nodes from their private replays."""
+        if node.cut:
+            self._fill_cut(node)
+            return
+        for n in self._missing(node):
+            if n.cut:
+                self._fill_cut(n)
+            else:
+                self._run(n)
+
+    @staticmethod
+    def _missing(node: Node) -> list[Node]:
+        """Nodes to run (or cut nodes to fill) for ``node``'s outputs, in program order;
+        the walk stops at values that exist and at cut nodes."""
+        todo = {node}
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            for m, j in producers(n):
+                if m not in todo and not m.has_value(j):
+                    todo.add(m)
+                    if not m.cut:
+                        stack.append(m)
+        return sorted(todo, key=_node_seq)
+
+    def _fill_cut(self, cut: Node) -> None:
+        """Compute a cut node's outputs by a private replay of what it depends on
+        (Note [Nested modules cut the replay]); cache the outputs someone waits for."""
+        self._keep(cut, self._private(cut))
+
+    def _private(self, node: Node) -> list[Any]:
+        """``node``'s outputs from a replay that takes no pending use and caches
+        nothing but the cut nodes it meets (those are armed: their consumers wait).
+
+        Its own intermediates are use-counted within the replay: each is dropped as
+        soon as the last node of the replay that reads it has run, so a private replay
+        holds its live frontier, not every value it computed.
+        """
+        order = self._missing(node)
+        order.remove(node)
+        local: dict[Node, list] = {}
+        uses: dict[tuple[Node, int], int] = {}
+        runs = [n for n in order if not n.cut]
+        runs.append(node)
+        members = set(runs)
+        for n in runs:
+            for m, j in producers(n):
+                if m in members:
+                    uses[m, j] = uses.get((m, j), 0) + 1
+
+        def value_of(m: Node, j: int) -> tuple[Any, bool]:
+            values = local.get(m)
+            if values is None:  # a saved or cached value of the graph: others use it too
+                return self._peek(m, j), True
+            v = values[j]
+            left = uses[m, j] - 1
+            uses[m, j] = left
+            if left == 0:
+                values[j] = None
+            return v, left > 0
+
+        for n in order:
+            if n.cut:
+                self._fill_cut(n)
+            else:
+                local[n] = self._execute(n, value_of)
+        return self._execute(node, value_of)
+
+    def _peek(self, node: Node, idx: int) -> Any:
+        """``node[idx]`` for a private replay: no pending use is taken (it has none)."""
+        if node.saved is not None and node.saved[idx] is not None:
+            return self._saved_value(node, idx)
+        return node.values[idx]
+
+    def _take_shared(self, node: Node, idx: int) -> tuple[Any, bool]:
+        """``take`` for a replay: the value and whether anyone else still holds it."""
+        v = self.take(node, idx)
+        return v, node.has_value(idx)
+
+    def _run(self, node: Node) -> None:
+        if node.op is None or node.saved is not None and all(s is not None for s in node.saved):
+            raise RuntimeError(f"ac2_dist internal error: asked to replay {node.name}")
+        if not node.scheduled:  # defensive: keep take() balanced
+            for m, j in producers(node):
+                self.arm(m, j)
+        node.scheduled = False
+        self._keep(node, self._execute(node, self._take_shared))
+
+    def _execute(self, node: Node, value_of: Any) -> list[Any]:
+        """Run ``node``; flat outputs. ``value_of(producer, idx)`` gives each input and
+        whether someone else still needs that value (then a write to it goes to a copy)."""
+        if node.lists:
+            args = [list(a) if type(a) is list else a for a in node.args]
+            kwargs = {k: list(v) if type(v) is list else v for k, v in node.kwargs.items()}
+        else:
+            args = list(node.args)
+            kwargs = dict(node.kwargs) if node.kwargs else {}
+        writes = node.writes
+        cloned = 0
+        base = None
+        it = iter(node.inputs)
+        for pos, m, j in zip(it, it, it):
+            v, shared = value_of(m, j)
+            if writes and pos in writes:
+                if shared:
+                    # Someone else still needs the value from before the write (Note
+                    # [Replaying writes to fresh tensors]).
+                    v = v.clone()
+                    cloned += tensor_nbytes(v)
+                if node.via is not None:  # Note [Writes through views of fresh tensors]
+                    base = v
+                    for op, vargs, vkwargs, src in node.via:
+                        vargs = list(vargs)
+                        vargs[src] = v
+                        v = op(*vargs, **vkwargs)
+            if type(pos) is int:
+                args[pos] = v
+            elif type(pos) is str:
+                kwargs[pos] = v
+            else:
+                p, k = pos
+                (args if type(p) is int else kwargs)[p][k] = v
+        for pos, shape, dtype, device in node.scratch:  # Note [Statistics an op accumulates]
+            args[pos] = torch.zeros(shape, dtype=dtype, device=device)
+        chain = None
+        if node.rng is not None:
+            chain = self.rng_chains[node.rng[0]]
+            self._advance(chain, node.rng[1])
+        flat = flatten_outputs(self.executor.run(node, args, kwargs, chain))
+        if base is not None:
+            flat.append(base)
+        stats = self.stats
+        stats.recomputed_ops += 1
+        allocated = 0
+        for v in flat:
+            if isinstance(v, torch.Tensor) and not v._is_view():  # views allocate nothing
+                allocated += tensor_nbytes(v)
+        if writes:  # written in place: the bytes were counted for the producer (or the clone)
+            allocated = cloned
+        stats.recomputed_bytes += allocated
+        if self.tracker is not None:
+            by_module = stats.recomputed_by_module
+            by_module[node.fqn] = by_module.get(node.fqn, 0) + allocated
+        return flat
+
+    def _advance(self, chain: RngChain, k: int) -> None:
+        """Bring ``chain`` to the state right before its ``k``-th op (Note [One
+        generator state per region])."""
+        if chain.cursor > k:
+            chain.rewind()
+        while chain.cursor < k:
+            i = chain.cursor
+            j = chain.nodes[i]
+            if j.scheduled and j.values is None:
+                self._replay(j)  # needed by backward: the normal path
+            else:
+                self._private(j)  # for its effect on the generator only
+            if chain.cursor <= i:
+                raise RuntimeError(f"ac2_dist internal error: the RNG chain did not advance past {j.name}")
+
+    def _keep(self, node: Node, flat: list[Any]) -> None:
+        """Cache the outputs of a replayed node that consumers wait for."""
+        stats = self.stats
+        uses, seq = self.uses, node.seq
+        for i, v in enumerate(flat):
+            if isinstance(v, torch.Tensor) and uses[seq + i] > 0 and (node.saved is None or node.saved[i] is None):
+                stats.cached_bytes += tensor_nbytes(v)
+            else:
+                flat[i] = None
+        stats.peak_cached_bytes = max(stats.peak_cached_bytes, stats.cached_bytes)
+        node.values = flat
