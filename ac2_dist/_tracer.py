@@ -63,7 +63,9 @@ Note [The plain-op path]
     side effect, no write, no version bump, no alias check, no rng chain. The tracer
     records such an op right after calling it (a recomputable node and its map entry)
     and skips the general path's checks; anything else (a save, a policy function,
-    nested frames, a memory budget's observer) takes the general path.
+    nested frames, a memory budget's observer) takes the general path. It calls the
+    op through ``OpInfo.call``, the C++ callable behind ``OpOverload.__call__``: that
+    Python method only forwards its arguments, one frame per op saved.
 
 Note [Dynamo inside a region]
     TorchDispatchMode wraps ``__torch_dispatch__`` in a dynamo-disable shim (~4 us per
@@ -224,7 +226,7 @@ class Tracer(TorchDispatchMode):
                 save = True  # a policy function: asked below, with the op's output
             graph = self.graph
             if not save and graph.observer is None:
-                out = func(*args, **kwargs)
+                out = info.call(*args, **kwargs)
                 node = self._recomputable(graph, func, info, args, kwargs, 1, inner)
                 if decision is _MUST_RECOMPUTE:
                     node.must_recompute = True
@@ -260,7 +262,7 @@ class Tracer(TorchDispatchMode):
                 out = func(*args, **kwargs)
             hidden = probe.hit
         else:
-            out = func(*args, **kwargs)
+            out = info.call(*args, **kwargs)
 
         # ---- decide (Note [What the tracer decides per op]) ----------------------
         if info.ignored:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import SAC_IGNORED_OPS
@@ -116,6 +117,10 @@ class OpInfo:
     plain: bool = False
     #: ``"output of <op>"``: what error messages call a value this op saved.
     owner: str = ""
+    #: What the plain-op path calls to run the op: the C++ callable ``OpOverload.__call__``
+    #: forwards to (``op._op``), one Python frame less per op, where ``__call__`` is
+    #: exactly that forwarder; otherwise ``op`` itself (Note [The plain-op path]).
+    call: Any = None
 
     def writes(self, args: tuple) -> bool:
         """True if this call writes one of its arguments."""
@@ -348,7 +353,17 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
                and not accumulators and len(schema.returns) == 1
                and isinstance(schema.returns[0].type, torch._C.TensorType)),
         owner=f"output of {op}",
+        call=_direct_call(op),
     )
+
+
+def _direct_call(op: torch._ops.OpOverload) -> Any:
+    """``op._op`` if calling ``op`` only forwards to it (``OpOverload.__call__`` is
+    ``return self._op(*args, **kwargs)``: its code reads no other name), else ``op``."""
+    forwarder = torch._ops.OpOverload.__call__
+    if type(op).__call__ is forwarder and forwarder.__code__.co_names == ("_op",):
+        return getattr(op, "_op", op)
+    return op
 
 
 def hop_writes(op: torch._ops.HigherOrderOperator, args: tuple, kwargs: dict) -> bool:

@@ -200,6 +200,27 @@ def test_plain_op_facts():
         assert not op_info(op).plain, op
 
 
+def test_direct_call_runs_the_op():
+    # OpInfo.call: the C++ callable behind OpOverload.__call__ where that method only
+    # forwards; calling it gives what calling the op gives, for schema ops of any kind.
+    from ac2_dist.side_effects import op_info
+
+    aten = torch.ops.aten
+    x, y = torch.randn(4, 3), torch.randn(3, 5)
+    for op, args, kwargs in (
+        (aten.tanh.default, (x,), {}),
+        (aten.mm.default, (x, y), {}),
+        (aten.sum.dim_IntList, (x, [1]), {"keepdim": True}),
+        (aten.frexp.Tensor, (x,), {}),
+    ):
+        call = op_info(op).call
+        if type(op).__call__ is torch._ops.OpOverload.__call__:
+            assert call is op._op, op  # the forwarder is skipped
+        got, want = call(*args, **kwargs), op(*args, **kwargs)
+        for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+            assert torch.equal(g, w), op
+
+
 def _graph_facts(graph) -> list[tuple]:
     """Everything recorded about the nodes backward can reach, in seq order."""
     seen: dict[int, object] = {}
