@@ -245,27 +245,29 @@ def heap_per_op(n_ops: int, policy: Any, pkg: Any = ac) -> float:
 def forward_gc_paused(sizes: list[int], rounds: int) -> dict[int, float]:
     """Diagnostic: ``ac2-full`` forward us/op with the cyclic garbage collector paused
     for the timed forward only (re-enabled and run before the next one). The difference
-    to the plain figure is what full collections cost; never what ac2 does by itself."""
+    to the plain figure is what full collections cost; never what ac2 does by itself.
+    Sizes are interleaved per round after one warm-up round, as in :func:`measure`: a
+    transient slowdown (the heap measurement runs right before) moves one sample."""
     x = torch.randn(16, requires_grad=True)
     w = torch.randn(16, requires_grad=True)
-    out: dict[int, float] = {}
-    for n in sizes:
-        fn = forward_fn("ac2-full", n)
-        fwd = []
-        for _ in range(rounds + 1):
+    fns = {n: forward_fn("ac2-full", n) for n in sizes}
+    fwd: dict[int, list[float]] = {n: [] for n in sizes}
+    for r in range(rounds + 1):
+        for n in sizes:
+            x.grad = w.grad = None
             gc.collect()
             gc.disable()
             try:
                 t0 = time.perf_counter()
-                y = fn(x, w)
+                y = fns[n](x, w)
                 t1 = time.perf_counter()
             finally:
                 gc.enable()
             y.sum().backward()
             del y
-            fwd.append(t1 - t0)
-        out[n] = statistics.median(fwd[1:]) / n * 1e6
-    return out
+            if r:
+                fwd[n].append(t1 - t0)
+    return {n: statistics.median(fwd[n]) / n * 1e6 for n in sizes}
 
 
 def _size(n: int) -> str:
