@@ -63,9 +63,9 @@ Note [The plain-op path]
     side effect, no write, no version bump, no alias check, no rng chain. The tracer
     records such an op right after calling it (a recomputable node and its map entry)
     and skips the general path's checks; anything else (a save, a policy function,
-    nested frames, a memory budget's observer) takes the general path. It calls the
-    op through ``OpInfo.call``, the C++ callable behind ``OpOverload.__call__``: that
-    Python method only forwards its arguments, one frame per op saved.
+    nested frames, a memory budget's observer) takes the general path. Both paths call
+    the op through ``OpInfo.call``, the C++ callable behind ``OpOverload.__call__``:
+    that Python method only forwards its arguments, one frame per op saved.
 
 Note [Dynamo inside a region]
     TorchDispatchMode wraps ``__torch_dispatch__`` in a dynamo-disable shim (~4 us per

@@ -117,9 +117,10 @@ class OpInfo:
     plain: bool = False
     #: ``"output of <op>"``: what error messages call a value this op saved.
     owner: str = ""
-    #: What the plain-op path calls to run the op: the C++ callable ``OpOverload.__call__``
-    #: forwards to (``op._op``), one Python frame less per op, where ``__call__`` is
-    #: exactly that forwarder; otherwise ``op`` itself (Note [The plain-op path]).
+    #: What the tracer calls to run the op (both paths; not under a tensor subclass's
+    #: probe): the C++ callable ``OpOverload.__call__`` forwards to (``op._op``), one
+    #: Python frame less per op, where ``__call__`` is exactly that forwarder; otherwise
+    #: ``op`` itself (Note [The plain-op path] in _tracer.py). None for higher-order ops.
     call: Any = None
 
     def writes(self, args: tuple) -> bool:
