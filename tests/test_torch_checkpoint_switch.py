@@ -6,9 +6,12 @@ eager's bitwise, and that ``disable()`` leaves torch's objects in place (identit
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import inspect
 import threading
+import warnings
 
 import pytest
 import torch
@@ -25,8 +28,13 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 import ac2_dist as ac
 from ac2_dist.integrations import torch_checkpoint as switch
 
-_TORCH = (tuc.checkpoint, tuc.checkpoint_sequential, tuc._checkpoint_without_reentrant_generator,
-          tuc.CheckpointFunction)
+# The generator torch's non-reentrant checkpoint calls by module lookup: renamed in
+# torch 2.14 (the old name is a shim there that calls the new one).
+_SEAM = ("_checkpoint_without_reentrant_generator_impl"
+         if hasattr(tuc, "_checkpoint_without_reentrant_generator_impl") else "_checkpoint_without_reentrant_generator")
+_TORCH = (tuc.checkpoint, tuc.checkpoint_sequential, getattr(tuc, _SEAM), tuc.CheckpointFunction,
+          tuc._checkpoint_without_reentrant_generator)
+_RESPECT_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(tuc.checkpoint).parameters  # torch >= 2.14
 
 
 class Block(nn.Module):
@@ -72,9 +80,9 @@ def _torch_objects_in_place() -> bool:
     from torch.distributed._composable import checkpoint_activation
 
     return (
-        (tuc.checkpoint, tuc.checkpoint_sequential, tuc._checkpoint_without_reentrant_generator,
-         tuc.CheckpointFunction) == _TORCH
-        and checkpoint_activation._checkpoint_without_reentrant_generator is _TORCH[2]
+        (tuc.checkpoint, tuc.checkpoint_sequential, getattr(tuc, _SEAM), tuc.CheckpointFunction,
+         tuc._checkpoint_without_reentrant_generator) == _TORCH
+        and getattr(checkpoint_activation, _SEAM) is _TORCH[2]
     )
 
 
@@ -167,6 +175,84 @@ def test_captured_function_objects_and_wrappers_are_routed():
             assert len(tracker.graph_stats) == 3, name
             assert_bitwise(eager, got)
     assert hf_modeling.checkpoint is captured
+
+
+def test_checkpoint_without_a_function_behaves_as_torchs():
+    """``checkpoint(use_reentrant=False)`` with no function: from torch 2.14 a decorator
+    (its calls reach the generator torch looks up, so ac2 runs them, also for a decorator
+    made before the switch went on); before 2.14 the error torch gives."""
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(8, 32)
+    eager = _grads(model, x, _plain)
+    if not _RESPECT_HOOKS:  # torch < 2.14: no decorator form; the routed call fails as torch's does
+        with pytest.raises(TypeError) as torchs:
+            tuc.checkpoint(use_reentrant=False)
+        with switch.enabled(), pytest.raises(TypeError) as routed:
+            tuc.checkpoint(use_reentrant=False)
+        assert str(routed.value) == str(torchs.value)
+        return
+    made_before = [tuc.checkpoint(use_reentrant=False, preserve_rng_state=False)(b) for b in model.blocks]
+    before = model.calls()
+    _grads(model, x, lambda m, x: functools.reduce(lambda h, f: f(h), made_before, x))
+    assert model.calls() - before == 6  # torch's: each block's Python runs again in backward
+    with switch.enabled():
+        made_inside = [tuc.checkpoint(use_reentrant=False)(b) for b in model.blocks]
+        for blocks in (made_before, made_inside):
+            before = model.calls()
+            with ac.memory.track() as tracker:
+                got = _grads(model, x, lambda m, x, bs=blocks: functools.reduce(lambda h, f: f(h), bs, x))
+            assert model.calls() - before == 3 and len(tracker.graph_stats) == 3
+            assert_bitwise(eager, got)
+
+
+def test_respect_saved_tensors_hooks_inside_user_hooks_stays_torchs():
+    """torch >= 2.14's ``respect_saved_tensors_hooks``: True with user saved-tensor hooks
+    in scope (``save_on_cpu``) runs torch's checkpoint, warned (ac2 keeps its saved values
+    outside those hooks); False, or no hooks in scope, runs ac2. Before 2.14 the name is
+    an ordinary keyword argument of the checkpointed function, routed or not, as torch
+    passes it."""
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(8, 32)
+    eager = _grads(model, x, _plain)
+    if not _RESPECT_HOOKS:
+        seen = []
+
+        def fn(h, respect_saved_tensors_hooks):
+            seen.append(respect_saved_tensors_hooks)
+            return model.blocks[0](h)
+
+        tuc.checkpoint(fn, x, use_reentrant=False, respect_saved_tensors_hooks=True)
+        with switch.enabled():
+            tuc.checkpoint(fn, x, use_reentrant=False, respect_saved_tensors_hooks=True)
+        assert seen == [True, True]
+        return
+
+    def run(respect, hooks):
+        def step(m, x):
+            with hooks():
+                return _blockwise(lambda b, h: tuc.checkpoint(b, h, use_reentrant=False,
+                                                              respect_saved_tensors_hooks=respect))(m, x)
+        return step
+
+    with switch.enabled():
+        for respect, hooks, ac2_runs in ((True, torch.autograd.graph.save_on_cpu, False),
+                                         (False, torch.autograd.graph.save_on_cpu, True),
+                                         (None, torch.autograd.graph.save_on_cpu, True),
+                                         (True, contextlib.nullcontext, True)):
+            before = model.calls()
+            with warnings.catch_warnings(record=True) as caught, ac.memory.track() as tracker:
+                warnings.simplefilter("always")
+                got = _grads(model, x, run(respect, hooks))
+            ours = [w for w in caught if "respect_saved_tensors_hooks=True" in str(w.message)]
+            assert (model.calls() - before == 3) is ac2_runs, (respect, hooks)
+            assert len(tracker.graph_stats) == (3 if ac2_runs else 0), (respect, hooks)
+            assert bool(ours) is not ac2_runs, (respect, hooks)
+            if ac2_runs:
+                assert_bitwise(eager, got)
+        with pytest.raises(TypeError, match="respect_saved_tensors_hooks must be a bool or None"):
+            tuc.checkpoint(model.blocks[0], x, use_reentrant=False, respect_saved_tensors_hooks="yes")
 
 
 def test_selective_checkpoint_context_fn_is_honoured_fresh_per_call():

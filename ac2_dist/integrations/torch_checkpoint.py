@@ -30,11 +30,16 @@ Note [Where the switch reaches torch's checkpoint]
        ``disable()`` it keeps it, and it behaves exactly like torch's (it calls torch's
        function whenever the switch is off).
     3. By a function object kept in an object (``functools.partial(checkpoint, ...)``
-       that ``CheckpointWrapper`` or an HF layer made before the switch went on): torch's
-       non-reentrant checkpoint looks up ``_checkpoint_without_reentrant_generator`` in
-       its module at every call, and so does the composable ``checkpoint(module)``'s
-       forward hook in its module: both names get :func:`_routed_generator`, which opens
-       an ac2 region around the forward instead of torch's.
+       that ``CheckpointWrapper`` or an HF layer made before the switch went on; from
+       torch 2.14 also the decorator ``checkpoint(use_reentrant=False)(fn)``): torch's
+       non-reentrant checkpoint looks its generator up in its module at every call, and
+       so does the composable ``checkpoint(module)``'s forward hook in its own module.
+       That generator is ``_checkpoint_without_reentrant_generator`` up to torch 2.13
+       and ``_checkpoint_without_reentrant_generator_impl`` from 2.14 (the old name
+       stays as a shim that calls the new one, and the composable module imports the
+       new name): the name torch's code calls (:data:`_GENERATOR_SEAM`) gets the routed
+       generator of its signature, in both modules, which opens an ac2 region around the
+       forward instead of torch's.
 
     Reentrant checkpoint (``use_reentrant=True``) keeps torch's behaviour unless the
     switch was turned on with ``reentrant=True``; then ways 1 and 2 route it too, and so
@@ -44,6 +49,13 @@ Note [Where the switch reaches torch's checkpoint]
     ``use_reentrant`` unset is ac2's through ways 1 and 2 (torch 2.13 would run it
     reentrant with a warning); through way 3 it reaches torch's reentrant path, which
     only ``reentrant=True`` routes.
+
+    ``respect_saved_tensors_hooks=True`` (torch >= 2.14: route what selective checkpoint
+    saves through the saved-tensor hooks around the call, e.g. ``save_on_cpu``) with
+    such hooks in scope runs torch's checkpoint for that call, with a warning (once per
+    call site, Python's default filter): ac2 keeps its saved values itself, outside those hooks, so it would keep
+    on the device what torch moves away. With ``None`` / ``False``, or no user hooks in
+    scope, the call is ac2's (torch's legacy behaviour: saved values bypass the hooks).
 
     Not reached: compiled code (dynamo turns torch's checkpoint into its own
     higher-order op: the routed functions call torch's when ``torch.compile`` traces,
@@ -70,8 +82,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -88,7 +102,17 @@ __all__ = ["enable", "disable", "enabled", "is_enabled"]
 # torch's objects, taken when this module is imported (before any patch).
 _TORCH_CHECKPOINT = _tuc.checkpoint
 _TORCH_GENERATOR = _tuc._checkpoint_without_reentrant_generator
+_TORCH_GENERATOR_IMPL = getattr(_tuc, "_checkpoint_without_reentrant_generator_impl", None)  # torch >= 2.14
 _TORCH_CHECKPOINT_FUNCTION = _tuc.CheckpointFunction
+# The generator torch's non-reentrant checkpoint calls by module lookup (Note [Where the
+# switch reaches torch's checkpoint], way 3): its name, and torch's object under it.
+_GENERATOR_SEAM, _TORCH_SEAM_OBJECT = (
+    ("_checkpoint_without_reentrant_generator", _TORCH_GENERATOR) if _TORCH_GENERATOR_IMPL is None
+    else ("_checkpoint_without_reentrant_generator_impl", _TORCH_GENERATOR_IMPL)
+)
+# torch >= 2.14's checkpoint option; on older torch the name is an ordinary keyword
+# argument of the checkpointed function, as torch treats it there.
+_HAS_RESPECT_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(_TORCH_CHECKPOINT).parameters
 _COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
 _DETERMINISM = ("default", "none")
 
@@ -142,14 +166,15 @@ class _Switchboard:
                 self._restore()
 
     def _install(self) -> None:
+        routed_generator = _routed_generator if _TORCH_GENERATOR_IMPL is None else _routed_generator_impl
         patches: list[tuple[Any, str, Any]] = [
             (_tuc, "checkpoint", _routed_checkpoint),
-            (_tuc, "_checkpoint_without_reentrant_generator", _routed_generator),
+            (_tuc, _GENERATOR_SEAM, routed_generator),
             (_tuc, "CheckpointFunction", _RoutedCheckpointFunction),
         ]
         composable = _import_composable()
-        if composable is not None and composable.__dict__.get("_checkpoint_without_reentrant_generator") is _TORCH_GENERATOR:
-            patches.append((composable, "_checkpoint_without_reentrant_generator", _routed_generator))
+        if composable is not None and composable.__dict__.get(_GENERATOR_SEAM) is _TORCH_SEAM_OBJECT:
+            patches.append((composable, _GENERATOR_SEAM, routed_generator))
         for key, module in list(sys.modules.items()):  # names captured at import (way 2)
             namespace = getattr(module, "__dict__", None)
             if module is _tuc or not isinstance(namespace, dict) or key.split(".")[0] == "ac2_dist":
@@ -283,18 +308,28 @@ def _route(use_reentrant: Any) -> _Options | None:
 
 
 @functools.wraps(_TORCH_CHECKPOINT)  # __wrapped__: inspect.signature shows torch's
-def _routed_checkpoint(function: Any, *args: Any, use_reentrant: bool | None = None,
+def _routed_checkpoint(function: Any = None, *args: Any, use_reentrant: bool | None = None,
                        context_fn: Any = _tuc.noop_context_fn, determinism_check: str = "default",
                        debug: bool = False, early_stop: bool = True, **kwargs: Any) -> Any:
-    if is_compiling():  # dynamo makes torch's checkpoint its own higher-order op
-        return _TORCH_CHECKPOINT(function, *args, use_reentrant=use_reentrant, context_fn=context_fn,
+    def torchs() -> Any:
+        positional = () if function is None and not args else (function, *args)  # torch's own error if it needs one
+        return _TORCH_CHECKPOINT(*positional, use_reentrant=use_reentrant, context_fn=context_fn,
                                  determinism_check=determinism_check, debug=debug, early_stop=early_stop, **kwargs)
+
+    # dynamo makes torch's checkpoint its own higher-order op; torch >= 2.14's decorator
+    # form (no function) returns a wrapper whose calls reach the generator seam (way 3).
+    if is_compiling() or (function is None and not args):
+        return torchs()
     options = _route(use_reentrant)
     if options is None or is_ac2_context_fn(context_fn) or _tracing(args):
-        return _TORCH_CHECKPOINT(function, *args, use_reentrant=use_reentrant, context_fn=context_fn,
-                                 determinism_check=determinism_check, debug=debug, early_stop=early_stop, **kwargs)
+        return torchs()
+    respect = kwargs.get("respect_saved_tensors_hooks") if _HAS_RESPECT_HOOKS else None
+    if (respect is not None and use_reentrant) or (respect and _user_hooks_in_scope()):
+        return torchs()  # (torch refuses the option with reentrant checkpoint)
     preserve = kwargs.pop("preserve_rng_state", True)
-    _check_flags(determinism_check, debug, early_stop, preserve)
+    if _HAS_RESPECT_HOOKS:
+        kwargs.pop("respect_saved_tensors_hooks", None)
+    _check_flags(determinism_check, debug, early_stop, preserve, respect)
     with _scope(options, context_fn):
         return function(*args, **kwargs)
 
@@ -309,6 +344,25 @@ def _routed_generator(function: Any, preserve_rng_state: bool, context_fn: Any, 
                                     early_stop, *args, **kwargs)
         return
     _check_flags(determinism_check, debug, early_stop, preserve_rng_state)
+    with _scope(options, context_fn):
+        yield
+
+
+def _routed_generator_impl(function: Any, args: tuple, kwargs: dict, *, preserve_rng_state: bool = True,
+                           context_fn: Any = _tuc.noop_context_fn, determinism_check: str = "default",
+                           debug: bool = False, early_stop: bool = True,
+                           respect_saved_tensors_hooks: bool | None = None) -> Iterator[None]:
+    """torch >= 2.14's ``_checkpoint_without_reentrant_generator_impl`` protocol (one
+    ``yield``: the forward runs there), with an ac2 region around the forward when the
+    switch is on."""
+    options = _route(False)
+    if (options is None or is_compiling() or is_ac2_context_fn(context_fn) or _tracing(args)
+            or (respect_saved_tensors_hooks and _user_hooks_in_scope())):
+        yield from _TORCH_GENERATOR_IMPL(function, args, kwargs, preserve_rng_state=preserve_rng_state,
+                                         context_fn=context_fn, determinism_check=determinism_check, debug=debug,
+                                         early_stop=early_stop, respect_saved_tensors_hooks=respect_saved_tensors_hooks)
+        return
+    _check_flags(determinism_check, debug, early_stop, preserve_rng_state, respect_saved_tensors_hooks)
     with _scope(options, context_fn):
         yield
 
@@ -332,7 +386,7 @@ def _scope(options: _Options, context_fn: Any) -> contextlib.AbstractContextMana
                        options.allow_cache_entry_mutation, where="integrations.torch_checkpoint")
 
 
-def _check_flags(determinism_check: Any, debug: Any, early_stop: Any, preserve: Any) -> None:
+def _check_flags(determinism_check: Any, debug: Any, early_stop: Any, preserve: Any, respect: Any = None) -> None:
     """torch's argument checks (ac2 has nothing to do for these flags)."""
     if determinism_check not in _DETERMINISM:
         raise ValueError(
@@ -342,6 +396,33 @@ def _check_flags(determinism_check: Any, debug: Any, early_stop: Any, preserve: 
     for name, flag in (("debug", debug), ("early_stop", early_stop), ("preserve_rng_state", preserve)):
         if not isinstance(flag, bool):
             raise TypeError(f"torch.utils.checkpoint (ac2 switch): {name} must be a bool, got {flag!r}")
+    if respect is not None and not isinstance(respect, bool):
+        raise TypeError(
+            f"torch.utils.checkpoint (ac2 switch): respect_saved_tensors_hooks must be a bool or None, got {respect!r}"
+        )
+
+
+def _user_hooks_in_scope() -> bool:
+    """Saved-tensor hooks of the user's (e.g. ``save_on_cpu``) apply to a tensor saved
+    right now, seen through torch's checkpoint-internal hooks as torch does; an enclosing
+    ac2 region's own hooks are not the user's (Note [Where the switch reaches torch's
+    checkpoint]). Warns when they do: the call stays torch's."""
+    from .._graph import Graph
+
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    while hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):
+        hooks = getattr(hooks[0], "_user_hooks", None)
+    if hooks is None or isinstance(getattr(hooks[0], "__self__", None), Graph):
+        return False
+    warnings.warn(
+        "ac2_dist.integrations.torch_checkpoint: a checkpoint call with respect_saved_tensors_hooks=True "
+        "inside saved_tensors_hooks (e.g. save_on_cpu) runs torch's checkpoint: ac2 keeps the values it "
+        "saves outside those hooks. Pass respect_saved_tensors_hooks=False to run it with ac2, or use an "
+        "ac2 CPU-offload policy instead of the hooks",
+        UserWarning,
+        stacklevel=4,
+    )
+    return True
 
 
 def _tracing(args: tuple) -> bool:
