@@ -28,6 +28,14 @@ Note [torch's checkpoint arguments in ac2]
       are accepted and validated like torch: ac2 replays the recorded ops, so a
       recompute cannot differ from forward (nothing to check or to trace) and always
       stops as early as possible.
+    - ``respect_saved_tensors_hooks`` (torch >= 2.14; accepted on every torch):
+      ``None`` / ``False`` is torch's legacy behaviour, which is ac2's: the values a
+      region saves bypass saved-tensor hooks around the call (``save_on_cpu``). ``True``
+      asks that they go through those hooks; ac2 keeps its saved values itself, so with
+      such hooks in scope the call is refused with an error (use an ac2 CPU-offload
+      policy); with none in scope there is nothing to route and the call runs.
+    - ``function`` omitted: the decorator form of torch >= 2.14
+      (``checkpoint(use_reentrant=False)(fn)``, also on methods), on every torch.
 """
 
 from __future__ import annotations
@@ -46,13 +54,14 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from ._graph import Graph
 from ._policy import PolicyLike, PolicySource
 from ._region import function_region, region_scope
 from .compile import (
     is_compiling,
 )
 
-__all__ = ["checkpoint", "checkpoint_sequential", "checkpoint_with", "is_ac2_checkpoint"]
+__all__ = ["checkpoint", "checkpoint_sequential", "checkpoint_with", "is_ac2_checkpoint", "user_saved_tensors_hooks"]
 
 _DETERMINISM = ("default", "none")
 _REENTRANT = (
@@ -80,7 +89,7 @@ _TO_FUNCTION = (
 
 
 def checkpoint(
-    function: Callable[..., Any],
+    function: Callable[..., Any] | None = None,
     *args: Any,
     use_reentrant: bool | None = None,
     context_fn: Callable[[], tuple[Any, Any]] | None = None,
@@ -88,6 +97,7 @@ def checkpoint(
     debug: bool = False,
     preserve_rng_state: bool = True,
     early_stop: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
     policy: PolicyLike | None = _UNSET,
     policy_factory: Callable[[], PolicyLike] | None = _UNSET,
     allow_cache_entry_mutation: bool = _UNSET,
@@ -97,7 +107,9 @@ def checkpoint(
     ``torch.utils.checkpoint.checkpoint``.
 
     Args:
-        function: what to run; it runs once, in forward.
+        function: what to run; it runs once, in forward. Omitted (no arguments either):
+            a decorator, ``checkpoint(use_reentrant=False, policy=...)(fn)``, whose calls
+            are checkpointed with these options (their keywords all go to ``fn``).
         use_reentrant: ``None``/``False``; ``True`` is accepted with a one-time warning
             and behaves the same (ac2 has one, non-reentrant, implementation).
         context_fn: torch's; a ``create_selective_checkpoint_contexts(policy_fn)``
@@ -110,6 +122,8 @@ def checkpoint(
             bits in backward (``rng="replay"``: eager's gradients, nothing kept; Note
             [torch's checkpoint arguments in ac2]).
         early_stop: accepted (bool); ac2 always replays only what backward needs.
+        respect_saved_tensors_hooks: ``None``/``False``; ``True`` is refused inside
+            user saved-tensor hooks (Note [torch's checkpoint arguments in ac2]).
         policy: an ac2 policy (CONTRACT §2); default ``"recompute_all"``.
         policy_factory: instead of ``policy``, a zero-argument callable called per call.
         allow_cache_entry_mutation: as for :class:`ac2_dist.apply_ac_policy`.
@@ -131,18 +145,20 @@ def checkpoint(
     options = {"policy": policy, "policy_factory": policy_factory,
                "allow_cache_entry_mutation": allow_cache_entry_mutation}
     ac2: dict[str, Any] = {}
+    decorator = function is None and not args
     for name, value in options.items():
         if value is _UNSET:
             continue
-        if _function_takes(function, name):  # Note [The function's keywords are the function's]
+        if not decorator and _function_takes(function, name):  # Note [The function's keywords are the function's]
             kwargs[name] = value
         else:
             ac2[name] = value
-    return _checkpoint(
-        function, args, kwargs, use_reentrant, context_fn, determinism_check, debug, preserve_rng_state,
-        early_stop, ac2.get("policy"), ac2.get("policy_factory"), None,
-        bool(ac2.get("allow_cache_entry_mutation", False)), stacklevel=3,
-    )
+    bound = (use_reentrant, context_fn, determinism_check, debug, preserve_rng_state, early_stop,
+             respect_saved_tensors_hooks, ac2.get("policy"), ac2.get("policy_factory"), None,
+             bool(ac2.get("allow_cache_entry_mutation", False)))
+    if decorator:
+        return _decorator(bound, kwargs)
+    return _checkpoint(function, args, kwargs, *bound, stacklevel=3)
 
 
 class checkpoint_with:  # noqa: N801 -- used like a function: checkpoint_with(policy=...)(fn, x)
@@ -189,7 +205,7 @@ class checkpoint_with:  # noqa: N801 -- used like a function: checkpoint_with(po
 
     def __call__(
         self,
-        function: Callable[..., Any],
+        function: Callable[..., Any] | None = None,
         *args: Any,
         use_reentrant: bool | None = None,
         context_fn: Callable[[], tuple[Any, Any]] | None = None,
@@ -197,18 +213,60 @@ class checkpoint_with:  # noqa: N801 -- used like a function: checkpoint_with(po
         debug: bool = False,
         preserve_rng_state: bool = True,
         early_stop: bool = True,
+        respect_saved_tensors_hooks: bool | None = None,
         **kwargs: Any,
     ) -> Any:
-        """``function(*args, **kwargs)`` checkpointed with this object's options."""
-        return _checkpoint(
-            function, args, kwargs, use_reentrant, context_fn, determinism_check, debug, preserve_rng_state,
-            early_stop, self.policy, self.policy_factory, self.rng, self.allow_cache_entry_mutation,
-            stacklevel=3,
-        )
+        """``function(*args, **kwargs)`` checkpointed with this object's options; without
+        ``function`` (and arguments), a decorator, as :func:`checkpoint`'s."""
+        bound = (use_reentrant, context_fn, determinism_check, debug, preserve_rng_state, early_stop,
+                 respect_saved_tensors_hooks, self.policy, self.policy_factory, self.rng,
+                 self.allow_cache_entry_mutation)
+        if function is None and not args:
+            return _decorator(bound, kwargs)
+        return _checkpoint(function, args, kwargs, *bound, stacklevel=3)
 
     def __repr__(self) -> str:
         return (f"ac2_dist.checkpoint_with(policy={self.policy!r}, policy_factory={self.policy_factory!r}, "
                 f"rng={self.rng!r}, allow_cache_entry_mutation={self.allow_cache_entry_mutation!r})")
+
+
+def _decorator(bound: tuple, kwargs: dict) -> Callable[[Callable[..., Any]], _Checkpointed]:
+    """``checkpoint(**options)`` without a function: torch >= 2.14's decorator form."""
+    if kwargs:  # torch's error: a decorator's keywords are all checkpoint options
+        raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
+    return functools.partial(_Checkpointed, bound=bound)
+
+
+class _Checkpointed:
+    """``function`` wrapped by ``checkpoint(**options)``: every call is checkpointed with
+    those options and passes all its arguments to ``function``. A method decorator too
+    (bound on attribute access, the options carried over)."""
+
+    def __init__(self, function: Callable[..., Any], *, bound: tuple) -> None:
+        self.function = function
+        self.bound = bound
+        functools.update_wrapper(self, function, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _checkpoint(self.function, args, kwargs, *self.bound, stacklevel=3)
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        get = getattr(self.function, "__get__", None)
+        if instance is None or get is None:
+            return self
+        return type(self)(get(instance, owner), bound=self.bound)
+
+
+def user_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
+    """The user's saved-tensor hooks (``save_on_cpu``, ...) a tensor saved now would go
+    through, or ``None``: torch's checkpoint-internal hooks are looked through as torch
+    does, and an enclosing ac2 region's own hooks are not the user's."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    while hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):
+        hooks = getattr(hooks[0], "_user_hooks", None)
+    if hooks is None or isinstance(getattr(hooks[0], "__self__", None), Graph):
+        return None
+    return hooks
 
 
 def _function_takes(function: Any, name: str) -> bool:
@@ -231,8 +289,8 @@ def _function_takes(function: Any, name: str) -> bool:
 
 def _checkpoint(
     function: Callable[..., Any], args: tuple, kwargs: dict, use_reentrant: Any, context_fn: Any,
-    determinism_check: Any, debug: Any, preserve_rng_state: Any, early_stop: Any, policy: Any,
-    policy_factory: Any, rng: str | None, allow_cache_entry_mutation: bool, stacklevel: int,
+    determinism_check: Any, debug: Any, preserve_rng_state: Any, early_stop: Any, respect_hooks: Any,
+    policy: Any, policy_factory: Any, rng: str | None, allow_cache_entry_mutation: bool, stacklevel: int,
 ) -> Any:
     """:func:`checkpoint` and :class:`checkpoint_with`, their arguments sorted out."""
     if use_reentrant not in (None, False, True):
@@ -247,6 +305,16 @@ def _checkpoint(
     for name, flag in (("debug", debug), ("early_stop", early_stop), ("preserve_rng_state", preserve_rng_state)):
         if not isinstance(flag, bool):
             raise TypeError(f"ac2_dist.checkpoint: {name} must be a bool, got {flag!r}")
+    if respect_hooks is not None and not isinstance(respect_hooks, bool):
+        raise TypeError(f"ac2_dist.checkpoint: respect_saved_tensors_hooks must be a bool or None, got {respect_hooks!r}")
+    if respect_hooks and not is_compiling() and user_saved_tensors_hooks() is not None:
+        raise RuntimeError(
+            "ac2_dist.checkpoint(respect_saved_tensors_hooks=True) inside saved-tensor hooks (e.g. "
+            f"torch.autograd.graph.save_on_cpu: {user_saved_tensors_hooks()[0]!r}): ac2 keeps the values a "
+            "region saves itself, outside those hooks (Note [torch's checkpoint arguments in ac2]). Pass "
+            "respect_saved_tensors_hooks=False (torch's legacy behaviour), or offload with an ac2 policy "
+            "(CheckpointPolicy.MUST_CPU_OFFLOAD / ac2_dist.Offload) instead of the hooks"
+        )
     if context_fn is noop_context_fn:
         context_fn = None
     if context_fn is not None and (policy is not None or policy_factory is not None):

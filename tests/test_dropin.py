@@ -367,6 +367,81 @@ def test_checkpoint_with_binds_ac2_options_and_gives_every_keyword_to_the_functi
         ac.checkpoint_with("recompute_all", policy_factory=lambda: "recompute_all")
 
 
+def test_checkpoint_without_a_function_is_a_decorator():
+    """torch >= 2.14's ``checkpoint(use_reentrant=False)(fn)``, on every torch: calls run
+    once in an ac2 region with the bound options, every call keyword goes to ``fn``, and
+    it decorates methods (bound on access)."""
+    block = _block(0.3)
+    x = torch.randn(8, 16, requires_grad=True)
+    eager = _grads(block, x, lambda: block(x))
+    calls = []
+
+    def fn(h, *, debug):  # a keyword named like a checkpoint option: the function's
+        calls.append(debug)
+        return block(h)
+
+    wrapped = ac.checkpoint(use_reentrant=False, preserve_rng_state=False)(fn)
+    assert wrapped.__wrapped__ is fn and wrapped.__name__ == "fn"
+    with ac.memory.track() as tracker:
+        got = _grads(block, x, lambda: wrapped(x, debug="mine"))
+    assert calls == ["mine"] and len(tracker.graph_stats) == 1
+    assert tracker.graph_stats[0].recomputed_ops > 0
+    assert_bitwise(eager, got)
+
+    saving = ac.checkpoint(policy="must_save_all")(block)  # an ac2 option bound too
+    with ac.memory.track() as tracker:
+        assert_bitwise(eager, _grads(block, x, lambda: saving(x)))
+    assert tracker.graph_stats[0].recomputed_ops == 0
+    assert_bitwise(eager, _grads(block, x, lambda: ac.checkpoint_with(rng="save")()(block)(x)))
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = block
+            self.runs = 0
+
+        @ac.checkpoint(use_reentrant=False)
+        def forward(self, h):
+            self.runs += 1
+            return self.block(h)
+
+    holder = Holder()
+    with ac.memory.track() as tracker:
+        assert_bitwise(eager, _grads(block, x, lambda: holder(x)))
+    assert holder.runs == 1 and len(tracker.graph_stats) == 1
+    with pytest.raises(ValueError, match="Unexpected keyword arguments: scale"):
+        ac.checkpoint(use_reentrant=False, scale=2)
+    with pytest.raises(TypeError, match="debug must be a bool"):
+        ac.checkpoint(debug="yes")(block)(x)
+
+
+def test_respect_saved_tensors_hooks():
+    """``None``/``False`` inside ``save_on_cpu``: ac2's region (its saved values bypass the
+    hooks, torch's legacy behaviour); ``True`` there: refused, naming what to do; ``True``
+    with no user hooks in scope (none, or only an enclosing ac2 region's): runs."""
+    block = _block(0.3)
+    x = torch.randn(8, 16, requires_grad=True)
+    eager = _grads(block, x, lambda: block(x))
+
+    def inside_hooks(respect):
+        with torch.autograd.graph.save_on_cpu():
+            return ac.checkpoint(block, x, use_reentrant=False, respect_saved_tensors_hooks=respect)
+
+    for respect in (None, False):
+        assert_bitwise(eager, _grads(block, x, lambda r=respect: inside_hooks(r)))
+    with pytest.raises(RuntimeError, match="respect_saved_tensors_hooks=True.*save_on_cpu.*MUST_CPU_OFFLOAD"):
+        inside_hooks(True)
+    assert not ac.is_checkpoint_enabled()
+    assert_bitwise(eager, _grads(block, x, lambda: ac.checkpoint(block, x, respect_saved_tensors_hooks=True)))
+
+    def nested():
+        with ac.apply_ac_policy("recompute_all"):
+            return ac.checkpoint(block, x, respect_saved_tensors_hooks=True)
+    assert_bitwise(eager, _grads(block, x, nested))
+    with pytest.raises(TypeError, match="respect_saved_tensors_hooks must be a bool or None"):
+        ac.checkpoint(block, x, respect_saved_tensors_hooks=1)
+
+
 # ---- is_checkpointed ------------------------------------------------------------------------
 
 

@@ -93,7 +93,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _tuc
 
-from .._dropin import eager_scope
+from .._dropin import eager_scope, user_saved_tensors_hooks
 from .._policy import PolicyLike, PolicySource
 from ..compile import is_ac2_context_fn, is_compiling
 
@@ -404,15 +404,9 @@ def _check_flags(determinism_check: Any, debug: Any, early_stop: Any, preserve: 
 
 def _user_hooks_in_scope() -> bool:
     """Saved-tensor hooks of the user's (e.g. ``save_on_cpu``) apply to a tensor saved
-    right now, seen through torch's checkpoint-internal hooks as torch does; an enclosing
-    ac2 region's own hooks are not the user's (Note [Where the switch reaches torch's
-    checkpoint]). Warns when they do: the call stays torch's."""
-    from .._graph import Graph
-
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    while hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):
-        hooks = getattr(hooks[0], "_user_hooks", None)
-    if hooks is None or isinstance(getattr(hooks[0], "__self__", None), Graph):
+    right now (``_dropin.user_saved_tensors_hooks``); warns when they do: the call stays
+    torch's (Note [Where the switch reaches torch's checkpoint])."""
+    if user_saved_tensors_hooks() is None:
         return False
     warnings.warn(
         "ac2_dist.integrations.torch_checkpoint: a checkpoint call with respect_saved_tensors_hooks=True "
