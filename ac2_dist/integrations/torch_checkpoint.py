@@ -53,9 +53,10 @@ Note [Where the switch reaches torch's checkpoint]
     ``respect_saved_tensors_hooks=True`` (torch >= 2.14: route what selective checkpoint
     saves through the saved-tensor hooks around the call, e.g. ``save_on_cpu``) with
     such hooks in scope runs torch's checkpoint for that call, with a warning (once per
-    call site, Python's default filter): ac2 keeps its saved values itself, outside those hooks, so it would keep
-    on the device what torch moves away. With ``None`` / ``False``, or no user hooks in
-    scope, the call is ac2's (torch's legacy behaviour: saved values bypass the hooks).
+    call site, Python's default filter): ac2 keeps its saved values itself, outside
+    those hooks, so it would keep on the device what torch moves away. With ``None`` /
+    ``False``, or no user hooks in scope, the call is ac2's (torch's legacy behaviour:
+    saved values bypass the hooks).
 
     Not reached: compiled code (dynamo turns torch's checkpoint into its own
     higher-order op: the routed functions call torch's when ``torch.compile`` traces,
@@ -324,8 +325,10 @@ def _routed_checkpoint(function: Any = None, *args: Any, use_reentrant: bool | N
     if options is None or is_ac2_context_fn(context_fn) or _tracing(args):
         return torchs()
     respect = kwargs.get("respect_saved_tensors_hooks") if _HAS_RESPECT_HOOKS else None
-    if (respect is not None and use_reentrant) or (respect and _user_hooks_in_scope()):
-        return torchs()  # (torch refuses the option with reentrant checkpoint)
+    if respect is not None and use_reentrant:
+        return torchs()  # torch refuses the option with reentrant checkpoint
+    if respect is True and user_saved_tensors_hooks() is not None:
+        return torchs()  # torch's checkpoint calls the routed generator, which warns and stays torch's
     preserve = kwargs.pop("preserve_rng_state", True)
     if _HAS_RESPECT_HOOKS:
         kwargs.pop("respect_saved_tensors_hooks", None)
@@ -357,7 +360,7 @@ def _routed_generator_impl(function: Any, args: tuple, kwargs: dict, *, preserve
     switch is on."""
     options = _route(False)
     if (options is None or is_compiling() or is_ac2_context_fn(context_fn) or _tracing(args)
-            or (respect_saved_tensors_hooks and _user_hooks_in_scope())):
+            or (respect_saved_tensors_hooks is True and _user_hooks_in_scope())):
         yield from _TORCH_GENERATOR_IMPL(function, args, kwargs, preserve_rng_state=preserve_rng_state,
                                          context_fn=context_fn, determinism_check=determinism_check, debug=debug,
                                          early_stop=early_stop, respect_saved_tensors_hooks=respect_saved_tensors_hooks)
