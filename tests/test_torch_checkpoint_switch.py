@@ -11,6 +11,7 @@ import copy
 import functools
 import inspect
 import threading
+import types
 import warnings
 
 import pytest
@@ -253,6 +254,39 @@ def test_respect_saved_tensors_hooks_inside_user_hooks_stays_torchs():
                 assert_bitwise(eager, got)
         with pytest.raises(TypeError, match="respect_saved_tensors_hooks must be a bool or None"):
             tuc.checkpoint(model.blocks[0], x, use_reentrant=False, respect_saved_tensors_hooks="yes")
+
+
+def test_the_switch_checks_that_torch_still_calls_its_seams():
+    """Note [The switch checks that torch still calls its seams]: nothing to report on the
+    installed torch (enable() warns nothing); a torch whose checkpoint calls a renamed
+    generator, or whose composable checkpoint does, is reported."""
+    from ac2_dist.integrations.torch_checkpoint import (
+        _TORCH_CHECKPOINT,
+        _import_composable,
+        _unreached_seams,
+    )
+
+    assert _unreached_seams(_TORCH_CHECKPOINT, vars(tuc), _import_composable()) == []
+    switch._BOARD.checked = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        switch.enable()
+    switch.disable()
+    assert switch._BOARD.checked
+    seam = switch._GENERATOR_SEAM
+    ns: dict = {}
+    exec("def _renamed(fn): yield\n"
+         "def checkpoint(fn, *args):\n    gen = _renamed(fn)\n    next(gen)\n    return fn(*args)\n"
+         f"def {seam}(fn): yield\n"
+         f"def _impl(fn, args):\n    return {seam}(fn)\n"
+         "def checkpoint_via_impl(fn, *args):\n    return _impl(fn, args)\n", ns)
+    composable = types.ModuleType("composable_calling_a_renamed_generator")
+    composable.__dict__[seam] = switch._TORCH_SEAM_OBJECT
+    exec("def checkpoint(module):\n    def hook(*a):\n        return _renamed(module)\n    return hook",
+         composable.__dict__)
+    problems = _unreached_seams(ns["checkpoint"], ns, composable)
+    assert len(problems) == 2 and "checkpoint_wrapper" in problems[0] and "composable" in problems[1], problems
+    assert _unreached_seams(ns["checkpoint_via_impl"], ns, None) == []  # one call deeper: reached
 
 
 def test_selective_checkpoint_context_fn_is_honoured_fresh_per_call():

@@ -58,6 +58,16 @@ Note [Where the switch reaches torch's checkpoint]
     ``False``, or no user hooks in scope, the call is ac2's (torch's legacy behaviour:
     saved values bypass the hooks).
 
+    Note [The switch checks that torch still calls its seams]
+        Way 3 depends on torch's code calling the generator by its module name; torch
+        2.14 renamed it (keeping the old name as a shim torch itself no longer calls),
+        which silently sent kept function objects to torch's checkpoint: the blocks ran
+        twice and, with ``preserve_rng_state=False``, gradients were not eager's. So the
+        first install reads torch's code: unless ``checkpoint`` (or a function of its
+        module it calls) and the composable ``checkpoint`` (or a hook nested in it) look
+        the seam's name up, ``enable()`` warns that those entry points stay torch's on
+        this torch (:func:`_unreached_seams`).
+
     Not reached: compiled code (dynamo turns torch's checkpoint into its own
     higher-order op: the routed functions call torch's when ``torch.compile`` traces,
     so compiled blocks are torch's selective checkpoint, as ac2's own compiled path is);
@@ -86,6 +96,7 @@ import functools
 import inspect
 import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -150,6 +161,7 @@ class _Switchboard:
         self.scopes = 0  # `with enabled()` blocks open, in all threads
         self.local = threading.local()
         self.patched: list[tuple[Any, str, Any]] = []  # (owner, name, torch's object)
+        self.checked = False  # Note [The switch checks that torch still calls its seams]
 
     def current(self) -> _Options | None:
         stack = getattr(self.local, "stack", None)
@@ -176,6 +188,11 @@ class _Switchboard:
         composable = _import_composable()
         if composable is not None and composable.__dict__.get(_GENERATOR_SEAM) is _TORCH_SEAM_OBJECT:
             patches.append((composable, _GENERATOR_SEAM, routed_generator))
+        if not self.checked:
+            self.checked = True
+            for problem in _unreached_seams(_TORCH_CHECKPOINT, vars(_tuc), composable):
+                warnings.warn(f"ac2_dist.integrations.torch_checkpoint (torch {torch.__version__}): {problem}",
+                              UserWarning, stacklevel=4)
         for key, module in list(sys.modules.items()):  # names captured at import (way 2)
             namespace = getattr(module, "__dict__", None)
             if module is _tuc or not isinstance(namespace, dict) or key.split(".")[0] == "ac2_dist":
@@ -191,6 +208,44 @@ class _Switchboard:
         for owner, name, original in reversed(self.patched):
             setattr(owner, name, original)
         self.patched = []
+
+
+def _unreached_seams(torch_checkpoint: Callable, namespace: dict, composable: Any) -> list[str]:
+    """What of way 3 this torch's code does not reach (Note [The switch checks that
+    torch still calls its seams]): ``torch_checkpoint`` is torch's function, ``namespace``
+    its module's globals, ``composable`` the composable checkpoint module or ``None``."""
+    problems = []
+    if not _looks_up(inspect.unwrap(torch_checkpoint).__code__, _GENERATOR_SEAM, namespace, calls=2):
+        problems.append(
+            f"torch's checkpoint no longer calls {_GENERATOR_SEAM}: checkpoint function objects made before "
+            "the switch went on (checkpoint_wrapper, accelerate's FSDP2 plugin, functools.partial) run "
+            "torch's checkpoint, not ac2's; call checkpoint by name, or check for a newer ac2_dist"
+        )
+    if composable is not None and not (
+        composable.__dict__.get(_GENERATOR_SEAM) is _TORCH_SEAM_OBJECT
+        and _looks_up(inspect.unwrap(composable.checkpoint).__code__, _GENERATOR_SEAM, vars(composable), calls=0)
+    ):
+        problems.append(
+            f"the composable checkpoint(module) does not call {_GENERATOR_SEAM} from its module: modules "
+            "checkpointed that way run torch's checkpoint, not ac2's; check for a newer ac2_dist"
+        )
+    return problems
+
+
+def _looks_up(code: types.CodeType, name: str, namespace: dict, calls: int) -> bool:
+    """Whether ``code``, a function nested in it, or a function of ``namespace`` it
+    calls (``calls`` levels deep) reads the global ``name``."""
+    if name in code.co_names:
+        return True
+    if any(isinstance(c, types.CodeType) and _looks_up(c, name, namespace, calls) for c in code.co_consts):
+        return True
+    if calls:
+        for called in code.co_names:
+            fn = namespace.get(called)
+            inner = getattr(inspect.unwrap(fn), "__code__", None) if isinstance(fn, types.FunctionType) else None
+            if inner is not None and _looks_up(inner, name, namespace, calls - 1):
+                return True
+    return False
 
 
 def _import_composable() -> Any:
