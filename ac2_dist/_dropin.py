@@ -61,7 +61,8 @@ from .compile import (
     is_compiling,
 )
 
-__all__ = ["checkpoint", "checkpoint_sequential", "checkpoint_with", "is_ac2_checkpoint", "user_saved_tensors_hooks"]
+__all__ = ["checkpoint", "checkpoint_sequential", "checkpoint_with", "is_ac2_checkpoint", "user_saved_tensors_hooks",
+           "check_flags"]
 
 _DETERMINISM = ("default", "none")
 _REENTRANT = (
@@ -269,6 +270,21 @@ def user_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
     return hooks
 
 
+def check_flags(who: str, determinism_check: Any, debug: Any, early_stop: Any, preserve_rng_state: Any,
+                respect_saved_tensors_hooks: Any) -> None:
+    """torch's checks of its checkpoint flags (ac2 has nothing to do for them; Note
+    [torch's checkpoint arguments in ac2]); errors name ``who`` was called."""
+    if determinism_check not in _DETERMINISM:
+        raise ValueError(f"{who}: determinism_check should be one of {list(_DETERMINISM)}, but got {determinism_check!r}")
+    for name, flag in (("debug", debug), ("early_stop", early_stop), ("preserve_rng_state", preserve_rng_state)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{who}: {name} must be a bool, got {flag!r}")
+    if respect_saved_tensors_hooks is not None and not isinstance(respect_saved_tensors_hooks, bool):
+        raise TypeError(
+            f"{who}: respect_saved_tensors_hooks must be a bool or None, got {respect_saved_tensors_hooks!r}"
+        )
+
+
 def _function_takes(function: Any, name: str) -> bool:
     """Whether ``function`` can receive the keyword ``name`` (Note [The function's
     keywords are the function's]); warns when only through ``**kwargs``."""
@@ -297,20 +313,12 @@ def _checkpoint(
         raise TypeError(f"ac2_dist.checkpoint: use_reentrant must be a bool or None, got {use_reentrant!r}")
     if use_reentrant:
         warnings.warn(_REENTRANT, UserWarning, stacklevel=stacklevel)  # the default filter: once per call site
-    if determinism_check not in _DETERMINISM:
-        raise ValueError(
-            f"ac2_dist.checkpoint: determinism_check should be one of {list(_DETERMINISM)}, "
-            f"but got {determinism_check!r}"
-        )
-    for name, flag in (("debug", debug), ("early_stop", early_stop), ("preserve_rng_state", preserve_rng_state)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"ac2_dist.checkpoint: {name} must be a bool, got {flag!r}")
-    if respect_hooks is not None and not isinstance(respect_hooks, bool):
-        raise TypeError(f"ac2_dist.checkpoint: respect_saved_tensors_hooks must be a bool or None, got {respect_hooks!r}")
-    if respect_hooks and not is_compiling() and user_saved_tensors_hooks() is not None:
+    check_flags("ac2_dist.checkpoint", determinism_check, debug, early_stop, preserve_rng_state, respect_hooks)
+    user_hooks = user_saved_tensors_hooks() if respect_hooks and not is_compiling() else None
+    if user_hooks is not None:
         raise RuntimeError(
             "ac2_dist.checkpoint(respect_saved_tensors_hooks=True) inside saved-tensor hooks (e.g. "
-            f"torch.autograd.graph.save_on_cpu: {user_saved_tensors_hooks()[0]!r}): ac2 keeps the values a "
+            f"torch.autograd.graph.save_on_cpu: {user_hooks[0]!r}): ac2 keeps the values a "
             "region saves itself, outside those hooks (Note [torch's checkpoint arguments in ac2]). Pass "
             "respect_saved_tensors_hooks=False (torch's legacy behaviour), or offload with an ac2 policy "
             "(CheckpointPolicy.MUST_CPU_OFFLOAD / ac2_dist.Offload) instead of the hooks"

@@ -105,7 +105,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _tuc
 
-from .._dropin import eager_scope, user_saved_tensors_hooks
+from .._dropin import check_flags, eager_scope, user_saved_tensors_hooks
 from .._policy import PolicyLike, PolicySource
 from ..compile import is_ac2_context_fn, is_compiling
 
@@ -126,7 +126,6 @@ _GENERATOR_SEAM, _TORCH_SEAM_OBJECT = (
 # argument of the checkpointed function, as torch treats it there.
 _HAS_RESPECT_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(_TORCH_CHECKPOINT).parameters
 _COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
-_DETERMINISM = ("default", "none")
 
 
 @dataclass(frozen=True)
@@ -446,18 +445,7 @@ def _scope(options: _Options, context_fn: Any) -> contextlib.AbstractContextMana
 
 def _check_flags(determinism_check: Any, debug: Any, early_stop: Any, preserve: Any, respect: Any = None) -> None:
     """torch's argument checks (ac2 has nothing to do for these flags)."""
-    if determinism_check not in _DETERMINISM:
-        raise ValueError(
-            f"torch.utils.checkpoint (ac2 switch): determinism_check should be one of {list(_DETERMINISM)}, "
-            f"but got {determinism_check!r}"
-        )
-    for name, flag in (("debug", debug), ("early_stop", early_stop), ("preserve_rng_state", preserve)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"torch.utils.checkpoint (ac2 switch): {name} must be a bool, got {flag!r}")
-    if respect is not None and not isinstance(respect, bool):
-        raise TypeError(
-            f"torch.utils.checkpoint (ac2 switch): respect_saved_tensors_hooks must be a bool or None, got {respect!r}"
-        )
+    check_flags("torch.utils.checkpoint (ac2 switch)", determinism_check, debug, early_stop, preserve, respect)
 
 
 def _user_hooks_in_scope() -> bool:
