@@ -30,13 +30,25 @@ Note [Arming waits for backward]
     is not armed at all. Once settled, a graph arms each new save at pack time again
     (saves made during or after an in-region backward).
 
+Note [Packing before backward takes no lock]
+    The graph's lock orders packs against arming (``settle``, ``arm``) when backward
+    runs on other threads (autograd's device threads) while something still saves
+    (a backward inside the region, ``create_graph``). Before the graph is settled no
+    backward has unpacked from it, and the tracer records without a lock anyway (a
+    graph is recorded by one thread, and a backward of it on another thread while
+    that thread still records is not supported: node fields the walk reads change
+    under it). So a pack that sees ``settled`` false only counts its save (``count``,
+    the handle list), with no lock; one that sees it true takes the lock and arms.
+    ``settled`` turns true only under the lock, inside an unpack or a prefetch.
+
 Note [Use counts live in one array]
     The pending uses of every node output of a graph are one ``array('q')``
     (``Graph.uses``): a node of ``nout`` outputs gets ``nout`` consecutive counters
     starting at its ``seq`` (seqs advance by ``nout``, so they stay increasing, in
     program order). A node therefore owns no list of counters: one object fewer per
     recorded op for the garbage collector to track, and 8 bytes per output instead of
-    a 64-byte list.
+    a 64-byte list. The array is allocated ahead, doubling (``Graph.capacity``): a
+    recorded op only advances ``Graph.seq``; counters past it stay zero until used.
 
 Note [Epochs: retain_graph=True]
     Without ``retain_graph`` autograd frees each handle after unpacking it and a
@@ -182,9 +194,8 @@ class GraphStats:
 
 
 
-# Zeroed use counters for a node of n outputs (Note [Use counts live in one array]).
-_ONE_ZERO = (0,)
-_ZEROS = tuple(array("q", bytes(8 * n)) for n in range(16))
+# Use counters allocated when a graph is made (Note [Use counts live in one array]).
+_FIRST_CAPACITY = 256
 # Nodes and handles are made without a Python __init__ call (Graph.new_node, Graph.pack).
 _new_object = object.__new__
 _MISSING = object()  # Graph._existing: the value needs the executor
@@ -221,7 +232,8 @@ class Graph(Replayer):
         self.map: TensorMap | None = TensorMap()
         # Pending uses of every node output (Note [Use counts live in one array]); slot 0
         # is unused (node seqs start at 1).
-        self.uses = array("q", _ONE_ZERO)
+        self.uses = array("q", bytes(8 * _FIRST_CAPACITY))
+        self.capacity = _FIRST_CAPACITY  # len(self.uses), kept as an int (hot path)
         self.seq = 1
         self.lock = threading.RLock()
         self.epoch = 0
@@ -262,24 +274,25 @@ class Graph(Replayer):
             self.rng_chains.append(chain)
         return chain
 
-    def new_node(self, op: Any, nout: int, fqn: str = "") -> Node:
+    def new_node(self, op: Any, nout: int, fqn: str = "", inputs: tuple = (), args: tuple = ()) -> Node:
         """A node whose outputs get the next ``nout`` use counters (Note [Use counts live
-        in one array])."""
+        in one array]); ``inputs`` and ``args`` as the tracer recorded them, if known yet."""
         seq = self.seq
-        self.seq = seq + nout
-        self.uses.extend(_ZEROS[nout] if nout < len(_ZEROS) else array("q", bytes(8 * nout)))
+        end = self.seq = seq + nout
+        if end > self.capacity:
+            self._grow_uses(end)
         self.stats.nodes += 1
         # The fields every node sets (Note [Rare node fields live in a lazy dict] in _nodes.py),
         # without a Python __init__ call: the tracer makes one node per recorded op.
         node = _new_object(Node)
         node.op = op
         node.seq = seq
-        node.args = ()
+        node.args = args
         node.kwargs = NO_KWARGS
         # For every tensor argument its position, producer node and producer output
         # index, flat: (pos, node, idx, pos, node, idx, ...) (Note [Node inputs are one
         # flat tuple]); () for leaves and saved nodes. Read with input_refs/producers.
-        node.inputs = ()
+        node.inputs = inputs
         node.saved = None  # list[Saved | None] once an output is saved
         node.values = None  # list of recomputed values, during backward
         node.nout = nout  # its use counts are Graph.uses[seq : seq + nout] (Note [Use counts live in one array])
@@ -293,6 +306,12 @@ class Graph(Replayer):
         node.viewed = False
         node.viewers = 0  # recorded view ops that take one of its outputs as their source
         return node
+
+    def _grow_uses(self, end: int) -> None:
+        """Make room for counters up to ``end`` (Note [Use counts live in one array])."""
+        more = max(end, 2 * self.capacity) - self.capacity
+        self.uses.frombytes(bytes(8 * more))
+        self.capacity += more
 
     def leaf(
         self,
@@ -420,14 +439,12 @@ class Graph(Replayer):
             h = e.handle
             if h is not None and h.consumed_task is None and h.prefetched is None:
                 node.held += 1  # saved again: the same handle (Note [One handle per saved value] in _nodes.py)
-                lock = self.lock
-                lock.acquire()  # not `with`: half the cost, once per saved tensor (hot path)
-                try:
+                if not self.settled:  # Note [Packing before backward takes no lock]
                     h.count += 1
-                    if self.settled:  # Note [Arming waits for backward]
-                        self.arm(node, idx)
-                finally:
-                    lock.release()
+                    return h
+                with self.lock:
+                    h.count += 1
+                    self.arm(node, idx)
                 return h
         else:
             frames = self.frames
@@ -437,18 +454,19 @@ class Graph(Replayer):
                 e = None
         node.held += 1
         h = _new_object(Handle)  # every slot set here (no Python __init__ call: one per saved value)
-        h.node, h.idx, h.count, h.consumed_task, h.taken = node, idx, 1, None, 0
-        h.prefetched = h.ready = h.last = None
-        lock = self.lock
-        lock.acquire()
-        try:
-            self._handle_refs.append(weakref.ref(h))
-            if self.settled:  # Note [Arming waits for backward]
-                self.arm(node, idx)
-        finally:
-            lock.release()
+        h.node = node
+        h.idx = idx
+        h.count = 1
+        h.consumed_task = h.prefetched = h.ready = h.last = None
+        h.taken = 0
         if e is not None:
             e.handle = h
+        if not self.settled:  # Note [Packing before backward takes no lock]
+            self._handle_refs.append(weakref.ref(h))
+            return h
+        with self.lock:
+            self._handle_refs.append(weakref.ref(h))
+            self.arm(node, idx)
         return h
 
     # ---- backward side ------------------------------------------------------------

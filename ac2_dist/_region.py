@@ -94,13 +94,25 @@ class _Install:
         self.owner, self.graph, self.tracer, self.hooks, self.module_hook = owner, graph, tracer, hooks, module_hook
 
 
+class _Replaying:
+    """How many replays run on a thread right now (Note [Replay environment] in
+    replay.py). A slotted object the tracer holds: a ``threading.local`` attribute
+    lookup per recorded op costs several times a slot read."""
+
+    __slots__ = ("depth",)
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+
 class _ThreadState(threading.local):
     def __init__(self) -> None:
+        # Mutated in place, never rebound: the tracer and the graph keep this list.
         self.frames: list[_Frame] = []
         self.owners: list[apply_ac_policy] = []
         self.graph: Graph | None = None
         self.install: _Install | None = None
-        self.replaying = 0
+        self.replaying = _Replaying()
         self.tracker: Any = None  # ac2_dist.memory.Tracker active on this thread
 
 

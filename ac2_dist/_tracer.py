@@ -200,6 +200,10 @@ class Tracer(TorchDispatchMode):
         super().__init__()
         self.graph = graph
         self.state = state
+        # Note [The plain-op path]: what the tracer reads of the thread's state per op,
+        # held directly (the list is mutated in place, never rebound).
+        self.frames = state.frames
+        self.replaying = state.replaying
         self.ctx = ctx
         self.probe = _CollectiveProbe()
 
@@ -207,27 +211,51 @@ class Tracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: C901 - hot path
         if kwargs is None:
             kwargs = {}
-        state = self.state
-        if state.replaying or _COMPILER._is_compiling_flag:  # Note [Dynamo inside a region]
+        if self.replaying.depth or _COMPILER._is_compiling_flag:  # Note [Dynamo inside a region]
             return func(*args, **kwargs)
         if _inference_mode():  # Note [What inference mode records]
             if (_INFO.get(id(func)) or op_info(func)).is_rng:
                 self.graph.open_chains.clear()  # an unrecorded draw: chains restart after it
             return func(*args, **kwargs)
         info = _INFO.get(id(func)) or op_info(func)
-        frames = state.frames
-        if info.plain and not types and len(frames) == 1:  # Note [The plain-op path]
+        frames = self.frames
+        if info.plain and not types and not kwargs and len(frames) == 1:  # Note [The plain-op path]
             inner = frames[0]
-            if inner.const is not None:
-                decision, save = inner.const, inner.const_save
+            decision = inner.const
+            if decision is not None:
+                save = inner.const_save
             elif inner.by_id is not None:
                 decision, save = inner.by_id.get(id(func), _RECOMPUTE)
             else:
                 save = True  # a policy function: asked below, with the op's output
             graph = self.graph
             if not save and graph.observer is None:
-                out = info.call(*args, **kwargs)
-                node = self._recomputable(graph, func, info, args, kwargs, 1, inner)
+                out = info.call(*args)
+                # The argument walk of _recomputable for positional arguments only:
+                # plain ops have no list, view source or accumulator argument.
+                gmap_get = graph.map._d.get
+                inputs: tuple = ()
+                i = 0
+                scalars = False
+                for a in args:
+                    if isinstance(a, _Tensor):
+                        e = gmap_get(id(a))
+                        if e is not None and e() is a and ((v := e.version) is None or v == a._version):
+                            m = e.node
+                            inputs += (i, m, e.idx)
+                        else:
+                            m, j = graph.ref(a, inner.allow_mutation)
+                            inputs += (i, m, j)
+                        m.readers += 1
+                    elif a is not None:
+                        scalars = True
+                    i += 1
+                # Note [Rare node fields live in a lazy dict] (_nodes.py)
+                node = graph.new_node(
+                    func, 1, inner.module_fqn, inputs,
+                    tuple([None if isinstance(a, _Tensor) else a for a in args]) if scalars
+                    else _NONES[i] if i < len(_NONES) else (None,) * i,
+                )
                 if decision is _MUST_RECOMPUTE:
                     node.must_recompute = True
                 graph.map.set(out, node, 0, out._version)
@@ -399,7 +427,7 @@ class Tracer(TorchDispatchMode):
         """A HigherOrderOperator call: a saved node, never replayed (Note
         [Higher-order operators] in side_effects.py)."""
         leaves = torch.utils._pytree.tree_leaves
-        frames = self.state.frames
+        frames = self.frames
         inner = frames[-1]
         writes = hop_writes(func, args, kwargs)
         inputs = [t for t in leaves((args, kwargs)) if isinstance(t, _Tensor)] if writes else ()

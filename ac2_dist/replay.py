@@ -214,7 +214,7 @@ class InlineExecutor:
     def _realize(self, graph: Graph, node: Node, idx: int) -> Any:
         state = self._state_of_thread()
         create_graph = torch.is_grad_enabled()
-        state.replaying += 1
+        state.replaying.depth += 1
         graph.create_graph = create_graph
         t0 = time.perf_counter()
         try:
@@ -225,7 +225,7 @@ class InlineExecutor:
                     return graph.realize(node, idx)
         finally:
             graph.stats.replay_seconds += time.perf_counter() - t0
-            state.replaying -= 1
+            state.replaying.depth -= 1
 
     def run(self, node: Node, args: list, kwargs: dict, chain: RngChain | None = None) -> Any:
         """Run a recorded op; a random one on ``chain``, which Graph._advance brought to

@@ -42,6 +42,18 @@ printed ``this / baseline`` ratios are paired per round, so machine drift cancel
     python launch/bench_tracer.py                      # 1k 4k 16k 64k ops, 5 rounds
     python launch/bench_tracer.py --sizes 1000 4000 --rounds 3
     python launch/bench_tracer.py --baseline /tmp/base # and the revision checked out there
+
+With ``--instructions`` the same modes are measured in CPU instructions instead of time,
+under ``valgrind --tool=callgrind`` (needs valgrind): one process per (mode, size,
+phase), the measured forward (or backward) run through ``operator.call`` and only that
+call counted (``--toggle-collect=_operator_call``), after two warm-up steps. Counts are
+deterministic (the same code gives the same figure to within a few hundred instructions
+per op, whatever else the machine runs), so ratios of a few percent are visible where
+timings on a shared machine move by 20 %. They are a proxy, not a time: a cache miss or a
+syscall counts as one instruction. The garbage collector's work inside the measured call
+is included.
+
+    python launch/bench_tracer.py --instructions --sizes 1000 4000 --jobs 2
 """
 
 from __future__ import annotations
@@ -51,15 +63,19 @@ import functools
 import gc
 import importlib
 import json
+import operator
 import os
+import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import tracemalloc
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -343,6 +359,89 @@ def paired(results: dict[int, dict[str, dict]], mode: str, base: str) -> str:
     return f"{mode} / {base} (forward / backward, paired per round): " + ", ".join(cells)
 
 
+#: Modes whose backward is their own (the no-op modes' and the record floor's is eager's).
+_OWN_BACKWARD = ("eager", "torch-full", "torch-sac", "ac2-full", "ac2-save", "base-full", "base-save")
+
+
+def instructions_child(mode: str, n_ops: int, phase: str) -> None:
+    """Run inside callgrind: two warm-up steps, then one forward (or backward) through
+    ``operator.call``, the only call the parent's ``--toggle-collect`` counts."""
+    torch.set_num_threads(1)
+    x = torch.randn(16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    warm = forward_fn(mode, min(n_ops, 1000))  # op facts, policy answers, specialized bytecode
+    for _ in range(2):
+        one_step(warm, x, w)
+    fn = forward_fn(mode, n_ops)
+    x.grad = w.grad = None
+    gc.collect()
+    if phase == "fwd":
+        operator.call(fn, x, w)
+    else:
+        loss = fn(x, w).sum()
+        gc.collect()
+        operator.call(loss.backward)
+
+
+def count_instructions(
+    modes: list[str], sizes: list[int], jobs: int, baseline: str | None
+) -> dict[int, dict[str, dict[str, float]]]:
+    """Instructions per op of each mode's forward (and backward, where it is the mode's
+    own) at each size, one callgrind process each, ``jobs`` at a time."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit("--instructions needs valgrind on PATH (e.g. apt-get install valgrind)")
+    tmp = tempfile.mkdtemp(prefix="ac2_callgrind_")
+    runs = [(m, n, ph) for n in sizes for m in modes for ph in ("fwd", "bwd") if ph == "fwd" or m in _OWN_BACKWARD]
+
+    def one(run: tuple[str, int, str]) -> tuple[tuple[str, int, str], float]:
+        m, n, ph = run
+        cmd = [valgrind, "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=_operator_call",
+               f"--callgrind-out-file={tmp}/{m}.{n}.{ph}.out", sys.executable, os.path.abspath(__file__),
+               "--instructions-child", m, str(n), ph]
+        if baseline:
+            cmd += ["--baseline", baseline]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        found = re.search(r"Collected : (\d+)", proc.stderr)
+        if proc.returncode != 0 or found is None or int(found.group(1)) == 0:
+            raise RuntimeError(f"callgrind run {m} {n} {ph} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+        return run, int(found.group(1)) / n
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        counted = dict(pool.map(one, runs))
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {n: {m: {ph: counted[m, n, ph] for ph in ("fwd", "bwd") if (m, n, ph) in counted} for m in modes}
+            for n in sizes}
+
+
+def report_instructions(counts: dict[int, dict[str, dict[str, float]]]) -> str:
+    """The instruction table: per-op counts (thousands) and the ratios issue 23 asks for."""
+    modes = list(next(iter(counts.values())))
+    lines = ["| ops | " + " | ".join(modes) + " | ac2 full fwd / no-op | ac2 full fwd / no-op + hooks |"
+             " ac2 full bwd / torch full |", "|---:|" + "---:|" * (len(modes) + 3)]
+
+    def ratio(r: dict, a: str, b: str, ph: str = "fwd") -> str:
+        return f"{r[a][ph] / r[b][ph]:.3f}" if a in r and b in r and ph in r[a] and ph in r[b] else ""
+
+    for n, r in counts.items():
+        cells = [" / ".join(f"{r[m][ph] / 1000:.1f}" for ph in ("fwd", "bwd") if ph in r[m]) for m in modes]
+        cells += [ratio(r, "ac2-full", "noop-mode"), ratio(r, "ac2-full", "noop-mode+hooks"),
+                  ratio(r, "ac2-full", "torch-full", "bwd")]
+        lines.append(f"| {_size(n)} | " + " | ".join(cells) + " |")
+    sizes = list(counts)
+    if len(sizes) > 1:
+        first, last = counts[sizes[0]], counts[sizes[-1]]
+        lines.append("")
+        lines.append(f"forward per op at {_size(sizes[-1])} ops / at {_size(sizes[0])}: " + ", ".join(
+            f"{m} {last[m]['fwd'] / first[m]['fwd']:.3f}" for m in modes))
+    if "base-full" in modes:
+        lines.append("this / baseline, forward: " + ", ".join(
+            f"{_size(n)} full {r['ac2-full']['fwd'] / r['base-full']['fwd']:.3f}"
+            + (f", save-list {r['ac2-save']['fwd'] / r['base-save']['fwd']:.3f}" if "ac2-save" in r else "")
+            for n, r in counts.items() if "ac2-full" in r))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1000, 4000, 16000, 64000])
@@ -353,12 +452,30 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", default=None)
     p.add_argument("--baseline", default=None, metavar="DIR",
                    help="a checkout of another ac2_dist revision, measured in the same rounds")
+    p.add_argument("--instructions", action="store_true",
+                   help="count CPU instructions per op under callgrind instead of timing (needs valgrind)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="callgrind processes at a time")
+    p.add_argument("--instructions-child", nargs=3, metavar=("MODE", "OPS", "PHASE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    modes = args.modes if "eager" in args.modes else ["eager", *args.modes]
     if args.baseline:
         import_baseline(args.baseline)
+    if args.instructions_child:
+        mode, n_ops, phase = args.instructions_child
+        instructions_child(mode, int(n_ops), phase)
+        return {}
+    modes = args.modes if "eager" in args.modes else ["eager", *args.modes]
+    if args.baseline:
         modes += [m for m in ("base-full", "base-save") if m not in modes]
+    if args.instructions:
+        counts = count_instructions(modes, args.sizes, args.jobs, args.baseline)
+        print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, 1 thread; thousands of CPU instructions"
+              " per op (callgrind), forward / backward")
+        print(report_instructions(counts))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"instructions_per_op": counts}, f, indent=2)
+        return {"instructions_per_op": counts}
     results = measure(args.sizes, args.rounds, args.warmup, modes)
     heap = {"ac2-full": heap_per_op(args.heap_ops, "recompute_all"), "ac2-save": heap_per_op(args.heap_ops, SAVE)}
     paused = forward_gc_paused([args.sizes[0], args.sizes[-1]], args.rounds)
