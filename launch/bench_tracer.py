@@ -363,9 +363,11 @@ def paired(results: dict[int, dict[str, dict]], mode: str, base: str) -> str:
 _OWN_BACKWARD = ("eager", "torch-full", "torch-sac", "ac2-full", "ac2-save", "base-full", "base-save")
 
 
-def instructions_child(mode: str, n_ops: int, phase: str) -> None:
+def instructions_child(mode: str, n_ops: int, phase: str, go: str) -> None:
     """Run inside callgrind: two warm-up steps, then one forward (or backward) through
-    ``operator.call``, the only call the parent's ``--toggle-collect`` counts."""
+    ``operator.call``, the only call the parent's ``--toggle-collect`` counts. The
+    process starts uninstrumented (imports at full speed); it says it is ready and waits
+    for the file ``go``, which the parent makes once it switched instrumentation on."""
     torch.set_num_threads(1)
     x = torch.randn(16, requires_grad=True)
     w = torch.randn(16, requires_grad=True)
@@ -375,6 +377,12 @@ def instructions_child(mode: str, n_ops: int, phase: str) -> None:
     fn = forward_fn(mode, n_ops)
     x.grad = w.grad = None
     gc.collect()
+    print(f"ready {os.getpid()}", flush=True)
+    deadline = time.monotonic() + 600
+    while not os.path.exists(go):  # polling: callgrind takes commands while the process runs
+        if time.monotonic() > deadline:
+            raise SystemExit("the parent never switched instrumentation on")
+        time.sleep(0.005)
     if phase == "fwd":
         operator.call(fn, x, w)
     else:
@@ -384,27 +392,41 @@ def instructions_child(mode: str, n_ops: int, phase: str) -> None:
 
 
 def count_instructions(
-    modes: list[str], sizes: list[int], jobs: int, baseline: str | None
+    modes: list[str], sizes: list[int], jobs: int, baseline: str | None, phases: tuple[str, ...] = ("fwd", "bwd"),
 ) -> dict[int, dict[str, dict[str, float]]]:
     """Instructions per op of each mode's forward (and backward, where it is the mode's
     own) at each size, one callgrind process each, ``jobs`` at a time."""
-    valgrind = shutil.which("valgrind")
-    if valgrind is None:
-        raise SystemExit("--instructions needs valgrind on PATH (e.g. apt-get install valgrind)")
+    valgrind, control = shutil.which("valgrind"), shutil.which("callgrind_control")
+    if valgrind is None or control is None:
+        raise SystemExit("--instructions needs valgrind and callgrind_control on PATH (apt-get install valgrind)")
     tmp = tempfile.mkdtemp(prefix="ac2_callgrind_")
-    runs = [(m, n, ph) for n in sizes for m in modes for ph in ("fwd", "bwd") if ph == "fwd" or m in _OWN_BACKWARD]
+    runs = [(m, n, ph) for n in sizes for m in modes for ph in phases if ph == "fwd" or m in _OWN_BACKWARD]
 
     def one(run: tuple[str, int, str]) -> tuple[tuple[str, int, str], float]:
         m, n, ph = run
-        cmd = [valgrind, "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=_operator_call",
-               f"--callgrind-out-file={tmp}/{m}.{n}.{ph}.out", sys.executable, os.path.abspath(__file__),
-               "--instructions-child", m, str(n), ph]
+        stem = os.path.join(tmp, f"{m}.{n}.{ph}")
+        cmd = [valgrind, "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+               "--toggle-collect=_operator_call", f"--callgrind-out-file={stem}.out", sys.executable,
+               os.path.abspath(__file__), "--instructions-child", m, str(n), ph, f"{stem}.go"]
         if baseline:
             cmd += ["--baseline", baseline]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-        found = re.search(r"Collected : (\d+)", proc.stderr)
+        with open(f"{stem}.err", "w+") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+            try:
+                line = proc.stdout.readline()
+                if line.startswith("ready "):
+                    subprocess.run([control, "-i", "on", line.split()[1]], capture_output=True, timeout=120,
+                                   check=True)
+                    open(f"{stem}.go", "w").close()
+                proc.wait(timeout=3600)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+            err.seek(0)
+            log = err.read()
+        found = re.search(r"Collected : (\d+)", log)
         if proc.returncode != 0 or found is None or int(found.group(1)) == 0:
-            raise RuntimeError(f"callgrind run {m} {n} {ph} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+            raise RuntimeError(f"callgrind run {m} {n} {ph} failed (exit {proc.returncode}):\n{log[-2000:]}")
         return run, int(found.group(1)) / n
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -455,20 +477,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--instructions", action="store_true",
                    help="count CPU instructions per op under callgrind instead of timing (needs valgrind)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="callgrind processes at a time")
-    p.add_argument("--instructions-child", nargs=3, metavar=("MODE", "OPS", "PHASE"), help=argparse.SUPPRESS)
+    p.add_argument("--phases", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"],
+                   help="with --instructions: what to count")
+    p.add_argument("--instructions-child", nargs=4, metavar=("MODE", "OPS", "PHASE", "GO"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.baseline:
         import_baseline(args.baseline)
     if args.instructions_child:
-        mode, n_ops, phase = args.instructions_child
-        instructions_child(mode, int(n_ops), phase)
+        mode, n_ops, phase, go = args.instructions_child
+        instructions_child(mode, int(n_ops), phase, go)
         return {}
     modes = args.modes if "eager" in args.modes else ["eager", *args.modes]
     if args.baseline:
         modes += [m for m in ("base-full", "base-save") if m not in modes]
     if args.instructions:
-        counts = count_instructions(modes, args.sizes, args.jobs, args.baseline)
+        counts = count_instructions(modes, args.sizes, args.jobs, args.baseline, tuple(args.phases))
         print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, 1 thread; thousands of CPU instructions"
               " per op (callgrind), forward / backward")
         print(report_instructions(counts))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -112,6 +113,22 @@ def test_bench_tracer_runs(tmp_path):
         assert {"record-floor", "ac2-full", "base-full", "noop-mode+hooks"} <= set(modes)
         assert all(len(m["fwd_s"]) == 2 and min(m["fwd_s"]) > 0 for m in modes.values())
     assert 0 < data["heap_per_op"]["ac2-full"] < 2000
+
+
+def test_bench_tracer_counts_instructions(tmp_path):
+    """``--instructions``: each mode's forward counted under callgrind, one process each.
+    The counts order as the work does: ac2's recording costs more than eager's op alone."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        pytest.skip("needs valgrind (the bench's --instructions mode runs under callgrind)")
+    out = os.path.join(tmp_path, "ir.json")
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "bench_tracer.py"), "--instructions", "--sizes", "200",
+           "--modes", "ac2-full", "--phases", "fwd", "--jobs", "2", "--json", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    counts = json.load(open(out))["instructions_per_op"]["200"]
+    assert set(counts) == {"eager", "ac2-full"} and all(set(c) == {"fwd"} for c in counts.values())
+    assert 2_000 < counts["eager"]["fwd"] < counts["ac2-full"]["fwd"] < 1_000_000
+    assert "| 200 | " in proc.stdout
 
 
 def test_bench_hf_runs():
