@@ -63,9 +63,14 @@ Note [The plain-op path]
     side effect, no write, no version bump, no alias check, no rng chain. The tracer
     records such an op right after calling it (a recomputable node and its map entry)
     and skips the general path's checks; anything else (a save, a policy function,
-    nested frames, a memory budget's observer) takes the general path. Both paths call
-    the op through ``OpInfo.call``, the C++ callable behind ``OpOverload.__call__``:
-    that Python method only forwards its arguments, one frame per op saved.
+    nested frames, a memory budget's observer) takes the general path; so does an op
+    called with keyword arguments (the walk here reads positional ones only). Both paths
+    call the op through ``OpInfo.call``, the C++ callable behind ``OpOverload.__call__``:
+    that Python method only forwards its arguments, one frame per op saved. On torch
+    2.14+ it forwards to one of two attributes, which are the same object unless the op
+    has a Python dispatcher (``OpInfo.guarded``): the tracer checks that identity per
+    call and calls the op itself when they differ. What the tracer reads of the thread's
+    state per op (the frame list, the replay counter) it holds directly.
 
 Note [Dynamo inside a region]
     TorchDispatchMode wraps ``__torch_dispatch__`` in a dynamo-disable shim (~4 us per
@@ -230,7 +235,10 @@ class Tracer(TorchDispatchMode):
                 save = True  # a policy function: asked below, with the op's output
             graph = self.graph
             if not save and graph.observer is None:
-                out = info.call(*args)
+                if info.guarded and func._op is not info.call:
+                    out = func(*args)
+                else:
+                    out = info.call(*args)
                 # The argument walk of _recomputable for positional arguments only:
                 # plain ops have no list, view source or accumulator argument.
                 gmap_get = graph.map._d.get
@@ -289,6 +297,8 @@ class Tracer(TorchDispatchMode):
             with probe:
                 out = func(*args, **kwargs)
             hidden = probe.hit
+        elif info.guarded and func._op is not info.call:
+            out = func(*args, **kwargs)
         else:
             out = info.call(*args, **kwargs)
 

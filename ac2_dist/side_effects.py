@@ -122,6 +122,9 @@ class OpInfo:
     #: Python frame less per op, where ``__call__`` is exactly that forwarder; otherwise
     #: ``op`` itself (Note [The plain-op path] in _tracer.py). None for higher-order ops.
     call: Any = None
+    #: ``call`` runs the op only while ``op._op is call`` (torch >= 2.14: a custom op's
+    #: Python dispatcher rebinds ``_op``); the tracer checks that per call, else calls ``op``.
+    guarded: bool = False
 
     def writes(self, args: tuple) -> bool:
         """True if this call writes one of its arguments."""
@@ -334,6 +337,7 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
              and not _composite(op))
     is_rng = torch.Tag.nondeterministic_seeded in op.tags
     ignored = op in SAC_IGNORED_OPS
+    call, guarded = _direct_call(op)
     return OpInfo(
         op=op,
         ignored=ignored,
@@ -354,17 +358,35 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
                and not accumulators and len(schema.returns) == 1
                and isinstance(schema.returns[0].type, torch._C.TensorType)),
         owner=f"output of {op}",
-        call=_direct_call(op),
+        call=call,
+        guarded=guarded,
     )
 
 
-def _direct_call(op: torch._ops.OpOverload) -> Any:
-    """``op._op`` if calling ``op`` only forwards to it (``OpOverload.__call__`` is
-    ``return self._op(*args, **kwargs)``: its code reads no other name), else ``op``."""
+# What ``OpOverload.__call__`` reads, in the two shapes the tracer skips (Note [The
+# plain-op path] in _tracer.py): torch <= 2.13 only forwards to ``self._op``; torch 2.14
+# calls ``self._cpp_dispatch_handle`` or ``self._op``, which is that same callable unless
+# the op has a Python dispatcher (custom ops: ``_op`` is rebound to it).
+_FORWARDS = ("_op",)
+_FORWARDS_UNLESS_DISPATCHER = (
+    "_pyobj_dispatcher", "torch", "_C", "_peek_should_skip_torch_function", "_cpp_dispatch_handle", "_op",
+)
+
+
+def _direct_call(op: torch._ops.OpOverload) -> tuple[Any, bool]:
+    """``(call, guarded)``: the C++ callable ``OpOverload.__call__`` ends in, where that
+    method does nothing else, else ``op`` itself. ``guarded`` (torch >= 2.14): ``call``
+    is ``op._cpp_dispatch_handle``, which is what ``__call__`` runs whenever ``op._op``
+    is that same object; the tracer checks that identity per call."""
     forwarder = torch._ops.OpOverload.__call__
-    if type(op).__call__ is forwarder and forwarder.__code__.co_names == ("_op",):
-        return getattr(op, "_op", op)
-    return op
+    if type(op).__call__ is not forwarder:
+        return op, False
+    names = forwarder.__code__.co_names
+    if names == _FORWARDS and hasattr(op, "_op"):
+        return op._op, False
+    if names == _FORWARDS_UNLESS_DISPATCHER and hasattr(op, "_cpp_dispatch_handle"):
+        return op._cpp_dispatch_handle, True
+    return op, False
 
 
 def hop_writes(op: torch._ops.HigherOrderOperator, args: tuple, kwargs: dict) -> bool:

@@ -201,28 +201,75 @@ def test_plain_op_facts():
 
 
 def test_direct_call_runs_the_op():
-    # OpInfo.call: the C++ callable behind OpOverload.__call__ where that method only
-    # forwards, else the op itself (torch 2.14's __call__ first checks for a Python
-    # dispatcher); calling it gives what calling the op gives, for schema ops of any kind.
+    # OpInfo.call: the C++ callable OpOverload.__call__ ends in where that method does
+    # nothing else (torch <= 2.13: forwards to _op; torch 2.14+: calls _op or
+    # _cpp_dispatch_handle, the same object unless a Python dispatcher rebound _op,
+    # checked per call: ``guarded``), else the op itself; calling it gives what calling
+    # the op gives, for schema ops of any kind.
     from ac2_dist.side_effects import op_info
 
     aten = torch.ops.aten
     x, y = torch.randn(4, 3), torch.randn(3, 5)
+    forwarder = torch._ops.OpOverload.__call__
+    names = forwarder.__code__.co_names
     for op, args, kwargs in (
         (aten.tanh.default, (x,), {}),
         (aten.mm.default, (x, y), {}),
         (aten.sum.dim_IntList, (x, [1]), {"keepdim": True}),
         (aten.frexp.Tensor, (x,), {}),
     ):
-        call = op_info(op).call
-        forwarder = torch._ops.OpOverload.__call__
-        if type(op).__call__ is forwarder and forwarder.__code__.co_names == ("_op",):
-            assert call is op._op, op  # the forwarder is skipped
+        info = op_info(op)
+        if names == ("_op",):
+            assert info.call is op._op and not info.guarded, op  # the forwarder is skipped
+        elif hasattr(op, "_cpp_dispatch_handle") and "_pyobj_dispatcher" in names:
+            assert info.call is op._cpp_dispatch_handle and info.guarded, op
+            assert op._op is info.call, op  # no Python dispatcher on aten ops: the direct call runs
         else:
-            assert call is op, op  # __call__ does more than forward: it is what runs
-        got, want = call(*args, **kwargs), op(*args, **kwargs)
+            assert info.call is op and not info.guarded, op  # __call__ does more: it is what runs
+        got, want = info.call(*args, **kwargs), op(*args, **kwargs)
         for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
             assert torch.equal(g, w), op
+
+
+def test_custom_op_with_python_dispatcher_runs_through_the_op():
+    """torch 2.14+ rebinds a custom op's ``_op`` to its Python dispatcher: the tracer
+    must call the op itself then (its __call__ routes through the dispatcher), not the
+    cached C++ handle. On older torch the custom op is an ordinary forwarded op. Either
+    way its gradient through a region is eager's."""
+    import uuid
+
+    name = f"ac2_test::scale_{uuid.uuid4().hex[:8]}"
+
+    @torch.library.custom_op(name, mutates_args=())
+    def scale(t: torch.Tensor) -> torch.Tensor:
+        return t * 3
+
+    @scale.register_fake
+    def _(t):
+        return torch.empty_like(t)
+
+    def backward(ctx, g):
+        return g * 3
+
+    scale.register_autograd(backward)
+
+    def fn(x):
+        return scale(torch.tanh(x)).sin().sum()
+
+    x = torch.randn(5, requires_grad=True)
+    fn(x).backward()
+    want = x.grad.clone()
+    x.grad = None
+    with ac.apply_ac_policy("recompute_all"):
+        loss = fn(x)
+    loss.backward()
+    assert torch.equal(x.grad, want)
+    from ac2_dist.side_effects import op_info
+
+    op = scale._opoverload
+    info = op_info(op)
+    if info.guarded and getattr(op, "_pyobj_dispatcher", None) is not None:
+        assert op._op is not info.call  # the per-call check sends it through the op
 
 
 def _graph_facts(graph) -> list[tuple]:
