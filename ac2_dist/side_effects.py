@@ -118,9 +118,10 @@ class OpInfo:
     #: ``"output of <op>"``: what error messages call a value this op saved.
     owner: str = ""
     #: What the tracer calls to run the op (both paths; not under a tensor subclass's
-    #: probe): the C++ callable ``OpOverload.__call__`` forwards to (``op._op``), one
-    #: Python frame less per op, where ``__call__`` is exactly that forwarder; otherwise
-    #: ``op`` itself (Note [The plain-op path] in _tracer.py). None for higher-order ops.
+    #: probe): the C++ callable ``OpOverload.__call__`` ends in (``op._op``; on torch
+    #: 2.14+ ``op._cpp_dispatch_handle``, see ``guarded``), one Python frame less per op,
+    #: where ``__call__`` does nothing else; otherwise ``op`` itself (Note [The plain-op
+    #: path] in _tracer.py). None for higher-order ops.
     call: Any = None
     #: ``call`` runs the op only while ``op._op is call`` (torch >= 2.14: a custom op's
     #: Python dispatcher rebinds ``_op``); the tracer checks that per call, else calls ``op``.

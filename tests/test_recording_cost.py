@@ -359,6 +359,56 @@ def test_plain_op_path_records_what_the_general_path_records(policy, monkeypatch
             assert torch.equal(a, b)
 
 
+def test_plain_op_path_on_region_inputs_and_keyword_arguments(monkeypatch):
+    # Note [The plain-op path]: a plain op that is the first reader of a region input
+    # (the walk makes the leaf) and plain ops called with keyword-only arguments
+    # (gelu's approximate, add's alpha) record exactly what the general path records,
+    # seqs included, with gradients bitwise eager's.
+    import dataclasses
+
+    from ac2_dist import side_effects
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, requires_grad=True)
+    w = torch.randn(6, requires_grad=True)
+
+    def fn(x, w):
+        h = torch.sub(x, w)  # plain, both arguments region inputs, neither saved by autograd:
+        h = h * w            # the walk makes their leaves (before any pack does)
+        h = torch.nn.functional.gelu(h, approximate="tanh")  # keyword-only argument
+        h = torch.add(h, x, alpha=0.5).tanh()
+        return (h.sigmoid() * 2.0).sum()
+
+    ref = torch.autograd.grad(fn(x, w), (x, w))
+
+    def record():
+        with ac.apply_ac_policy("recompute_all") as region:
+            y = fn(x, w)
+        facts = _graph_facts(region.graph)
+        return facts, region.stats.nodes, torch.autograd.grad(y, (x, w))
+
+    side_effects._INFO.clear()
+    short = record()
+    build = side_effects._build
+    monkeypatch.setattr(side_effects, "_build", lambda op: dataclasses.replace(build(op), plain=False))
+    side_effects._INFO.clear()
+    try:
+        general = record()
+    finally:
+        side_effects._INFO.clear()
+    assert short[0] == general[0]
+    assert short[1] == general[1]
+    ops = [f[0] for f in short[0]]
+    assert "aten.gelu.default" in ops and "aten.add.Tensor" in ops and ops.count("None") >= 2
+    gelu = next(f for f in short[0] if f[0] == "aten.gelu.default")
+    assert "approximate" in gelu[14]  # the keyword was recorded for the replay
+    sub = next(f for f in short[0] if f[0] == "aten.sub.Tensor")
+    assert len(sub[3]) == 2 and all(seq < sub[1] for _, seq, _ in sub[3])  # the leaves precede their reader
+    for grads in (short[2], general[2]):
+        for a, b in zip(grads, ref):
+            assert torch.equal(a, b)
+
+
 def test_arming_waits_for_backward_and_skips_freed_saves():
     # Note [Arming waits for backward]: forward adds no pending use; the first unpack
     # arms every live handle. A branch whose autograd graph died before backward (its
