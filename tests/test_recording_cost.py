@@ -306,16 +306,33 @@ def _policies():
     }
 
 
+def _plain_and_general(record, monkeypatch) -> tuple:
+    """``record()`` with the plain-op path, then with every op on the general path
+    (Note [The plain-op path]); op facts rebuilt for each and cleared after."""
+    import dataclasses
+
+    from ac2_dist import side_effects
+
+    side_effects._INFO.clear()
+    short = record()
+    build = side_effects._build
+    monkeypatch.setattr(side_effects, "_build", lambda op: dataclasses.replace(build(op), plain=False))
+    side_effects._INFO.clear()
+    try:
+        general = record()
+    finally:
+        side_effects._INFO.clear()
+    return short, general
+
+
 @pytest.mark.parametrize("policy", list(_policies()))
 def test_plain_op_path_records_what_the_general_path_records(policy, monkeypatch):
     # Note [The plain-op path]: recording a pointwise op on the short path must leave
     # exactly the graph the general path leaves (nodes, inputs, use counts, saves,
     # policy marks), under every policy form, and gradients bitwise eager's.
-    import dataclasses
 
     from _models import GPT
 
-    from ac2_dist import side_effects
 
     pol = _policies()[policy]
     torch.manual_seed(0)
@@ -336,15 +353,7 @@ def test_plain_op_path_records_what_the_general_path_records(policy, monkeypatch
         grads = torch.autograd.grad(y, list(model.parameters()))
         return facts, nodes, grads
 
-    side_effects._INFO.clear()
-    short = record()
-    build = side_effects._build
-    monkeypatch.setattr(side_effects, "_build", lambda op: dataclasses.replace(build(op), plain=False))
-    side_effects._INFO.clear()
-    try:
-        general = record()
-    finally:
-        side_effects._INFO.clear()
+    short, general = _plain_and_general(record, monkeypatch)
     assert short[0] == general[0]
     assert short[1] == general[1]
     assert len(short[0]) > 20
@@ -364,9 +373,7 @@ def test_plain_op_path_on_region_inputs_and_keyword_arguments(monkeypatch):
     # (the walk makes the leaf) and plain ops called with keyword-only arguments
     # (gelu's approximate, add's alpha) record exactly what the general path records,
     # seqs included, with gradients bitwise eager's.
-    import dataclasses
 
-    from ac2_dist import side_effects
 
     torch.manual_seed(0)
     x = torch.randn(4, 6, requires_grad=True)
@@ -387,15 +394,7 @@ def test_plain_op_path_on_region_inputs_and_keyword_arguments(monkeypatch):
         facts = _graph_facts(region.graph)
         return facts, region.stats.nodes, torch.autograd.grad(y, (x, w))
 
-    side_effects._INFO.clear()
-    short = record()
-    build = side_effects._build
-    monkeypatch.setattr(side_effects, "_build", lambda op: dataclasses.replace(build(op), plain=False))
-    side_effects._INFO.clear()
-    try:
-        general = record()
-    finally:
-        side_effects._INFO.clear()
+    short, general = _plain_and_general(record, monkeypatch)
     assert short[0] == general[0]
     assert short[1] == general[1]
     ops = [f[0] for f in short[0]]
