@@ -156,6 +156,7 @@ from ._nodes import (
     FREED,
     NO_KWARGS,
     Handle,
+    MapEntry,
     Node,
     RngChain,
     Saved,
@@ -230,6 +231,8 @@ class Graph(Replayer):
     def __init__(self, executor: Any, frames: list) -> None:
         # tensor -> node output it currently is (TensorMap); dropped when forward ends
         self.map: TensorMap | None = TensorMap()
+        self._entries: dict | None = self.map._d  # new_node's inlined TensorMap.set; with map
+        self._map_cb = self.map._cb
         # Pending uses of every node output (Note [Use counts live in one array]); slot 0
         # is unused (node seqs start at 1).
         self.uses = array("q", bytes(8 * _FIRST_CAPACITY))
@@ -274,9 +277,13 @@ class Graph(Replayer):
             self.rng_chains.append(chain)
         return chain
 
-    def new_node(self, op: Any, nout: int, fqn: str = "", inputs: tuple = (), args: tuple = ()) -> Node:
+    def new_node(
+        self, op: Any, nout: int, fqn: str = "", inputs: tuple = (), args: tuple = (), fresh: Any = None,
+    ) -> Node:
         """A node whose outputs get the next ``nout`` use counters (Note [Use counts live
-        in one array]); ``inputs`` and ``args`` as the tracer recorded them, if known yet."""
+        in one array]); ``inputs`` and ``args`` as the tracer recorded them, if known yet.
+        ``fresh``: the new tensor a plain op returned, mapped to output 0 here (Note [The
+        plain-op path] in _tracer.py)."""
         seq = self.seq
         end = self.seq = seq + nout
         if end > self.capacity:
@@ -305,7 +312,24 @@ class Graph(Replayer):
         # declare] in _tracer.py)
         node.viewed = False
         node.viewers = 0  # recorded view ops that take one of its outputs as their source
+        if fresh is not None:
+            # TensorMap.set, inlined (one call less per plain op). The version is 0: a plain
+            # op's output is storage its kernel just allocated, with a new counter (a
+            # larger real version would only make the entry look stale: a leaf, never
+            # a wrong value; versions only grow).
+            key = id(fresh)
+            e = MapEntry(fresh, self._map_cb)
+            e.key = key
+            e.node = node
+            e.idx = 0
+            e.version = 0
+            e.handle = None
+            self._entries[key] = e
         return node
+
+    def close_map(self) -> None:
+        """Forward ended: drop the tensor map (its entries keep nodes alive)."""
+        self.map = self._entries = None
 
     def _grow_uses(self, end: int) -> None:
         """Make room for counters up to ``end`` (Note [Use counts live in one array])."""
@@ -432,9 +456,9 @@ class Graph(Replayer):
     def pack(self, t: torch.Tensor) -> Handle:
         # Autograd may save an op's inputs before the tracer sees the op: a region input
         # can become a leaf here first, under the innermost region's mutation setting.
-        gmap = self.map
-        e = gmap._d.get(id(t)) if gmap is not None else None
-        if e is not None and e() is t and (e.version is None or e.version == t._version):
+        entries = self._entries
+        e = entries.get(id(t)) if entries is not None else None
+        if e is not None and e() is t and ((v := e.version) is None or v == t._version):
             node, idx = e.node, e.idx  # Graph.ref, inlined: the common case
             h = e.handle
             if h is not None and h.consumed_task is None and h.prefetched is None:
@@ -449,7 +473,7 @@ class Graph(Replayer):
         else:
             frames = self.frames
             node, idx = self.ref(t, frames[-1].allow_mutation if frames else False)
-            e = gmap._d.get(id(t)) if gmap is not None else None  # the entry ref() made
+            e = entries.get(id(t)) if entries is not None else None  # the entry ref() made
             if e is not None and (e() is not t or e.node is not node or e.idx != idx):
                 e = None
         node.held += 1

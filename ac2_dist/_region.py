@@ -279,7 +279,7 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
     def _uninstall(st: _ThreadState, install: _Install, exc_type: Any, exc: Any, tb: Any) -> None:
         st.install = None
         st.graph = None
-        install.graph.map = None
+        install.graph.close_map()
         try:
             install.tracer.__exit__(exc_type, exc, tb)
         finally:

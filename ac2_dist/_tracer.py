@@ -61,8 +61,10 @@ Note [The plain-op path]
     the op's output (a string policy or a save-list/dict) and that answer "recompute",
     every step of Note [What the tracer decides per op] is known before the op runs: no
     side effect, no write, no version bump, no alias check, no rng chain. The tracer
-    records such an op right after calling it (a recomputable node and its map entry)
-    and skips the general path's checks; anything else (a save, a policy function,
+    records such an op right after calling it (a recomputable node and its map entry,
+    made in one call: ``Graph.new_node(..., fresh=out)``; the entry's version is 0, the
+    counter of storage the kernel just allocated, without reading ``out._version``, an
+    attribute read of ~500 instructions) and skips the general path's checks; anything else (a save, a policy function,
     nested frames, a memory budget's observer) takes the general path; so does an op
     called with keyword-only arguments (gelu's ``approximate``, add's ``alpha``): the walk
     here reads positional arguments only (recording them here too, with ``**kwargs``
@@ -265,10 +267,10 @@ class Tracer(TorchDispatchMode):
                     func, 1, inner.module_fqn, inputs,
                     tuple([None if isinstance(a, _Tensor) else a for a in args]) if scalars
                     else _NONES[i] if i < len(_NONES) else (None,) * i,
+                    out,
                 )
                 if decision is _MUST_RECOMPUTE:
                     node.must_recompute = True
-                graph.map.set(out, node, 0, out._version)
                 return out
         if info.higher_order:
             return self._higher_order(func, args, kwargs)
