@@ -485,3 +485,47 @@ def test_a_freed_random_branch_does_not_keep_saved_values(monkeypatch):
         F.dropout((xr @ W3).sin(), 0.5)
         rx, rw = torch.autograd.grad(yr, (xr, wr))
         assert torch.equal(gx, rx) and torch.equal(gw, rw)
+
+
+def test_plain_op_entry_frees_its_node_with_the_tensor_and_the_map_goes_with_forward():
+    # Note [The plain-op path]: Graph.new_node maps a plain op's output itself; its entry
+    # removes itself when the tensor dies (the map never keeps a node alive), and the
+    # whole map is dropped when forward ends.
+    import weakref
+
+    x, w = _leaves()
+    with ac.apply_ac_policy("recompute_all") as region:
+        graph = region.graph
+        y = torch.tanh(x) * w
+        dead = torch.exp(y)  # a plain op whose output nobody reads or saves
+        entry = graph.map.get(dead)
+        assert entry is not None and entry.node.op is torch.ops.aten.exp.default and entry.version == 0
+        node = weakref.ref(entry.node)
+        del entry, dead
+        assert node() is None  # freed with its tensor, during forward
+        assert len(graph.map._d) == 3  # x, w, y: nothing else left behind (tanh's output died too)
+        loss = y.sum()
+    assert graph.map is None and graph._entries is None
+    gx, gw = torch.autograd.grad(loss, (x, w))
+    rx, rw = _eager_grads(x, w, 2)
+    assert torch.equal(gx, rx) and torch.equal(gw, rw)
+
+
+def test_write_the_tracer_does_not_see_makes_a_plain_output_a_leaf():
+    # A plain op's entry has version 0 (its output is storage the kernel just made). A
+    # write the tracer does not see (Python dispatch disabled) still bumps the counter,
+    # so the next reader takes the written value as a leaf: gradients stay eager's.
+    def f(x, w):
+        a = torch.sin(x)
+        with torch._C._DisableTorchDispatch():
+            a.mul_(2)
+        return (torch.tanh(a) * w).sum()
+
+    x, w = _leaves()
+    with ac.apply_ac_policy("recompute_all") as region:
+        loss = f(x, w)
+    grads = torch.autograd.grad(loss, (x, w))
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    ref = torch.autograd.grad(f(xr, wr), (xr, wr))
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref))
+    assert region.stats.recomputed_ops >= 1  # tanh was replayed, from the written value
