@@ -392,6 +392,8 @@ class TensorMap:
         return None
 
     def set(self, t: torch.Tensor, node: Node, idx: int, version: int | None) -> None:
+        # Graph.new_node makes the same entry inline for a plain op's output (Note [The
+        # plain-op path] in _tracer.py): a change to the entry's fields changes both.
         key = id(t)
         e = MapEntry(t, self._cb)
         e.key = key

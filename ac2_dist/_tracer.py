@@ -55,28 +55,28 @@ Note [Aliases a schema does not declare]
     ``data_ptr()`` calls per recorded op.
 
 Note [The plain-op path]
-    Most ops of a model are ``OpInfo.plain``: ATen pointwise kernels that write
-    nothing, alias nothing, draw no random numbers and return one new tensor. For one of
-    them, with no tensor subclass involved, one policy frame whose answer does not need
-    the op's output (a string policy or a save-list/dict) and that answer "recompute",
-    every step of Note [What the tracer decides per op] is known before the op runs: no
-    side effect, no write, no version bump, no alias check, no rng chain. The tracer
-    records such an op right after calling it (a recomputable node and its map entry,
-    made in one call: ``Graph.new_node(..., fresh=out)``; the entry's version is 0, the
-    counter of storage the kernel just allocated, without reading ``out._version``, an
-    attribute read of ~500 instructions) and skips the general path's checks; anything else (a save, a policy function,
-    nested frames, a memory budget's observer) takes the general path; so does an op
-    called with keyword-only arguments (gelu's ``approximate``, add's ``alpha``): the walk
-    here reads positional arguments only (recording them here too, with ``**kwargs``
-    passed on every call, measured 1 % more instructions per op on ops that have none).
-    Both paths record the same
-    graph, seqs included (a leaf the walk makes precedes its reader). Both paths
-    call the op through ``OpInfo.call``, the C++ callable behind ``OpOverload.__call__``:
-    that Python method only forwards its arguments, one frame per op saved. On torch
-    2.14+ it forwards to one of two attributes, which are the same object unless the op
-    has a Python dispatcher (``OpInfo.guarded``): the tracer checks that identity per
-    call and calls the op itself when they differ. What the tracer reads of the thread's
-    state per op (the frame list, the replay counter) it holds directly.
+    Most ops of a model are ``OpInfo.plain``: ATen pointwise kernels that write nothing,
+    alias nothing, draw no random numbers and return one new tensor. For one of them,
+    with no tensor subclass involved, one policy frame whose answer does not need the
+    op's output (a string policy or a save-list/dict) and that answer "recompute", every
+    step of Note [What the tracer decides per op] is known before the op runs: no side
+    effect, no write, no version bump, no alias check, no rng chain. The tracer records
+    such an op right after calling it (a recomputable node and its map entry, made in
+    one call: ``Graph.new_node(..., fresh=out)``; the entry's version is 0, the counter
+    of storage the kernel just allocated, without reading ``out._version``, an attribute
+    read of ~550 instructions) and skips the general path's checks; anything else (a
+    save, a policy function, nested frames, a memory budget's observer) takes the
+    general path; so does an op called with keyword-only arguments (gelu's
+    ``approximate``, add's ``alpha``): the walk here reads positional arguments only
+    (recording them here too, with ``**kwargs`` passed on every call, measured 1 % more
+    instructions per op on ops that have none). Both paths record the same graph, seqs
+    included (a leaf the walk makes precedes its reader). Both paths call the op through
+    ``OpInfo.call``, the C++ callable behind ``OpOverload.__call__``: that Python method
+    only forwards its arguments, one frame per op saved. On torch 2.14+ it forwards to
+    one of two attributes, which are the same object unless the op has a Python
+    dispatcher (``OpInfo.guarded``): the tracer checks that identity per call and calls
+    the op itself when they differ. What the tracer reads of the thread's state per op
+    (the frame list, the replay counter) it holds directly.
 
 Note [Dynamo inside a region]
     TorchDispatchMode wraps ``__torch_dispatch__`` in a dynamo-disable shim (~4 us per
