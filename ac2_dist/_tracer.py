@@ -603,7 +603,7 @@ class Tracer(TorchDispatchMode):
                     zeroed += ((i, a.shape, a.dtype, a.device),)
                     continue
                 e = gmap_get(id(a))
-                if e is not None and e() is a and (e.version is None or e.version == a._version):
+                if e is not None and e() is a and ((v := e.version) is None or v == a._version):
                     m, j = e.node, e.idx  # Graph.ref, inlined: the common case
                 else:
                     m, j = graph.ref(a, allow)
