@@ -312,6 +312,8 @@ class Graph(Replayer):
         # declare] in _tracer.py)
         node.viewed = False
         node.viewers = 0  # recorded view ops that take one of its outputs as their source
+        # The plain-op path in C makes the same node (Note [The plain-op path in C] in
+        # _crecord.c): a change to a node's fields changes it there too.
         if fresh is not None:
             # TensorMap.set, inlined (one call less per plain op). The version is 0: a plain
             # op's output is storage its kernel just allocated, with a new counter (a
@@ -454,6 +456,8 @@ class Graph(Replayer):
 
     @skip_dynamo
     def pack(self, t: torch.Tensor) -> Handle:
+        # Its forward cases also exist in C (Note [The pack hook in C] in _crecord.c): a
+        # change here changes that copy too (tests compare the graphs both record).
         # Autograd may save an op's inputs before the tracer sees the op: a region input
         # can become a leaf here first, under the innermost region's mutation setting.
         entries = self._entries

@@ -393,7 +393,8 @@ class TensorMap:
 
     def set(self, t: torch.Tensor, node: Node, idx: int, version: int | None) -> None:
         # Graph.new_node makes the same entry inline for a plain op's output (Note [The
-        # plain-op path] in _tracer.py): a change to the entry's fields changes both.
+        # plain-op path] in _tracer.py), and so does the C recorder (_crecord.c): a change
+        # to the entry's fields changes all three.
         key = id(t)
         e = MapEntry(t, self._cb)
         e.key = key

@@ -51,7 +51,7 @@ import torch
 
 from ._graph import Graph, GraphStats
 from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, PolicySource, _Frame, is_save
-from ._tracer import Tracer
+from ._tracer import Tracer, pack_hook
 from .compile import (
     checkpoint_compiled,
     in_eager_fallback,
@@ -238,7 +238,7 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
             st.tracker._add_graph(graph)
         ctx = PolicyContext(self._frame.module_fqn, _rank())
         tracer = Tracer(graph, st, ctx)
-        hooks = torch.autograd.graph.saved_tensors_hooks(graph.pack, graph.unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack_hook(graph), graph.unpack)
         hooks.__enter__()
         try:
             module_hook = torch.nn.modules.module.register_module_forward_hook(_unit_boundary)

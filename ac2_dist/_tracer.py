@@ -76,7 +76,10 @@ Note [The plain-op path]
     one of two attributes, which are the same object unless the op has a Python
     dispatcher (``OpInfo.guarded``): the tracer checks that identity per call and calls
     the op itself when they differ. What the tracer reads of the thread's state per op
-    (the frame list, the replay counter) it holds directly.
+    (the frame list, the replay counter) it holds directly. Where the C extension was
+    built, this path (and the common cases of ``Graph.pack``) runs in C: Note [The
+    plain-op path in C] in _crecord.c. This method stays the reference (tests record
+    every model with both and compare the graphs) and the fallback for everything else.
 
 Note [Dynamo inside a region]
     TorchDispatchMode wraps ``__torch_dispatch__`` in a dynamo-disable shim (~4 us per
@@ -94,18 +97,21 @@ Note [What inference mode records]
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._graph import Graph
-from ._nodes import Node, Saved, alias, flatten_outputs, version_of
-from ._policy import PolicyContext, is_save, resolve
+from ._nodes import NO_KWARGS, Handle, MapEntry, Node, Saved, alias, flatten_outputs, version_of
+from ._policy import PolicyContext, _Frame, is_save, resolve
 from .compile import COMPILER_STATE as _COMPILER
 from .compile import skip_dynamo as _skip_dynamo
 from .replay import default_generator
-from .side_effects import _INFO, SideEffect, hop_writes, op_info
+from .side_effects import _INFO, OpInfo, SideEffect, hop_writes, op_info
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -646,3 +652,59 @@ class Tracer(TorchDispatchMode):
         if lists:
             node.lists = True
         return node
+
+
+def _c_recorder() -> Any:
+    """The C recorder's module (Note [The plain-op path in C] and Note [The pack hook in
+    C] in _crecord.c), or None: the extension was not built (no C compiler at install
+    time) or ``AC2_DIST_PURE_PYTHON`` is set to anything but ``0`` (then the Python
+    recorder records, the same graphs, slower)."""
+    if os.environ.get("AC2_DIST_PURE_PYTHON", "0") != "0":
+        return None
+    try:
+        from . import _crecord
+    except ImportError:
+        return None
+    for cls, fields in ((Node, _crecord.NODE_FIELDS), (MapEntry, _crecord.ENTRY_FIELDS),
+                        (Handle, _crecord.HANDLE_FIELDS)):
+        slots = set(cls.__slots__) - {"__dict__", "__weakref__"}
+        if slots != set(fields):
+            raise ImportError(
+                f"ac2_dist: the built C recorder (ac2_dist/_crecord*.so) sets {cls.__name__} fields "
+                f"{sorted(fields)} but the class has {sorted(slots)}: it was built from another "
+                "version of the sources. Rebuild it (pip install -e .), or set AC2_DIST_PURE_PYTHON=1."
+            )
+    return _crecord
+
+
+_C = _c_recorder()
+#: The Python method (the C recorder falls back to it for everything but plain ops).
+PY_DISPATCH = Tracer.__torch_dispatch__
+#: The C recorder's ``__torch_dispatch__`` in use, or None (then it is PY_DISPATCH).
+C_DISPATCH = None if _C is None else _C.Dispatch(
+    slow=PY_DISPATCH, info=_INFO, tensor=_Tensor, compiler=_COMPILER, inference=_inference_mode,
+    recompute=_RECOMPUTE, must_recompute=_MUST_RECOMPUTE, nones=_NONES, no_kwargs=NO_KWARGS, node=Node,
+    entry=MapEntry, opinfo=OpInfo, frame=_Frame,
+)
+if C_DISPATCH is not None:
+    Tracer.__torch_dispatch__ = C_DISPATCH
+
+
+def pack_hook(graph: Graph) -> Callable[[torch.Tensor], Handle]:
+    """The region's saved-tensor pack hook: ``graph.pack``, or while the tracer records
+    in C the same hook with its forward cases in C (Note [The pack hook in C])."""
+    if C_DISPATCH is None or Tracer.__torch_dispatch__ is not C_DISPATCH:
+        return graph.pack
+    return _C.Pack(graph=graph, handle=Handle, entry=MapEntry, node=Node)
+
+
+@contextlib.contextmanager
+def recording_in_python() -> Iterator[None]:
+    """Regions entered inside record with the Python recorder (the same graphs as the C
+    one): for tests that compare the two and for benchmarks. It swaps a class attribute,
+    so it is for one thread, outside any region."""
+    Tracer.__torch_dispatch__ = PY_DISPATCH
+    try:
+        yield
+    finally:
+        Tracer.__torch_dispatch__ = C_DISPATCH or PY_DISPATCH

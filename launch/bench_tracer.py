@@ -18,6 +18,8 @@ drift hits all alike, the growth with size included; medians over the rounds):
   (``saved_tensors_hooks(lambda t: t, lambda t: t)``): the floor of any checkpointing that
   records with a dispatch mode and hands autograd its own saved objects, as ac2 does
   (torch's checkpoint installs such hooks too; the no-op mode alone has none).
+- ``ac2-full-py``: ``ac2-full`` recorded by the Python recorder (what an install without a
+  C compiler records with; Note [The plain-op path in C] in ``ac2_dist/_crecord.c``);
 - ``record-floor``: the least any tracer that records ops for a later replay does per op,
   in Python, on top of the no-op mode (no shim): one tuple per op holding the op and its
   tensor arguments' producers (found in an ``id``-keyed map of weak references), one map
@@ -83,12 +85,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import ac2_dist as ac
+from ac2_dist._tracer import recording_in_python
 
 aten = torch.ops.aten
 SAVE = [aten.mul.Tensor]
 MODES = [
     "eager", "torch-full", "torch-sac", "ac2-full", "ac2-save", "noop-mode", "noop-mode-noshim", "noop-mode+hooks",
-    "record-floor",
+    "record-floor", "ac2-full-py",
 ]
 
 
@@ -170,6 +173,11 @@ def forward_fn(mode: str, n_ops: int) -> Callable[[torch.Tensor, torch.Tensor], 
             with pkg.apply_ac_policy(policy):
                 return run(x, w)
         return region
+    if mode == "ac2-full-py":
+        def region_in_python(x, w):
+            with recording_in_python(), ac.apply_ac_policy("recompute_all"):
+                return run(x, w)
+        return region_in_python
     if mode in ("noop-mode", "noop-mode-noshim"):
         cls = NoopMode if mode == "noop-mode" else BareNoopMode
 
@@ -302,8 +310,9 @@ def report(results: dict[int, dict[str, dict]], heap: dict[str, float], paused: 
         "| ops | eager | torch full AC | torch SAC | ac2 full | ac2 save-list | no-op mode | no-op mode, no shim |"
         " no-op mode + hooks | record floor | ac2 full fwd / no-op | ac2 full fwd / no-op + hooks |"
         " record floor / no-op | ac2 full fwd / record floor | ac2 full fwd / torch full |"
-        " ac2 full bwd / torch full | ac2 save-list fwd, bwd / torch SAC |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        " ac2 full bwd / torch full | ac2 save-list fwd, bwd / torch SAC | ac2 full, Python recorder |"
+        " ac2 full fwd, Python recorder / no-op |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n, r in results.items():
         cells = [f"{r[m]['fwd_us']:.1f} / {r[m]['bwd_us']:.1f}" for m in MODES[:5]]
@@ -318,12 +327,14 @@ def report(results: dict[int, dict[str, dict]], heap: dict[str, float], paused: 
             _ratio(r, "ac2-full", "torch-full"),
             _ratio(r, "ac2-full", "torch-full", "bwd"),
             f"{_ratio(r, 'ac2-save', 'torch-sac')}, {_ratio(r, 'ac2-save', 'torch-sac', 'bwd')}",
+            f"{r['ac2-full-py']['fwd_us']:.1f} / {r['ac2-full-py']['bwd_us']:.1f}",
+            _ratio(r, "ac2-full-py", "noop-mode"),
         ]
         lines.append(f"| {_size(n)} | " + " | ".join(cells) + " |")
     sizes = list(results)
     first, last = sizes[0], sizes[-1]
     lines.append("")
-    for m in ("ac2-full", "ac2-save", "torch-full", "torch-sac", "noop-mode", "record-floor"):
+    for m in ("ac2-full", "ac2-save", "torch-full", "torch-sac", "noop-mode", "record-floor", "ac2-full-py"):
         growth = statistics.median(
             (a / last) / (b / first) for a, b in zip(results[last][m]["fwd_s"], results[first][m]["fwd_s"])
         )
@@ -360,7 +371,7 @@ def paired(results: dict[int, dict[str, dict]], mode: str, base: str) -> str:
 
 
 #: Modes whose backward is their own (the no-op modes' and the record floor's is eager's).
-_OWN_BACKWARD = ("eager", "torch-full", "torch-sac", "ac2-full", "ac2-save", "base-full", "base-save")
+_OWN_BACKWARD = ("eager", "torch-full", "torch-sac", "ac2-full", "ac2-save", "base-full", "base-save", "ac2-full-py")
 
 
 def instructions_child(mode: str, n_ops: int, phase: str, go: str) -> None:

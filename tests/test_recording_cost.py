@@ -306,15 +306,33 @@ def _policies():
     }
 
 
+def _same_in_python(record, recorded: tuple) -> None:
+    """Where the C recorder is in use (Note [The plain-op path in C] in _crecord.c),
+    ``record()`` with the Python plain-op path must give the same facts, node count and
+    bitwise the same gradients as ``recorded`` (what the C path gave)."""
+    from ac2_dist import _tracer
+
+    if _tracer.C_DISPATCH is None:
+        return
+    with _tracer.recording_in_python():
+        in_python = record()
+    assert in_python[0] == recorded[0]
+    assert in_python[1] == recorded[1]
+    for a, b in zip(in_python[2], recorded[2]):
+        assert torch.equal(a, b)
+
+
 def _plain_and_general(record, monkeypatch) -> tuple:
     """``record()`` with the plain-op path, then with every op on the general path
-    (Note [The plain-op path]); op facts rebuilt for each and cleared after."""
+    (Note [The plain-op path]); op facts rebuilt for each and cleared after. With the C
+    recorder in use, the plain-op path is also run in Python and must match it."""
     import dataclasses
 
     from ac2_dist import side_effects
 
     side_effects._INFO.clear()
     short = record()
+    _same_in_python(record, short)
     build = side_effects._build
     monkeypatch.setattr(side_effects, "_build", lambda op: dataclasses.replace(build(op), plain=False))
     side_effects._INFO.clear()
