@@ -1,4 +1,5 @@
-/* The tracer's plain-op path in C (optional; ac2_dist/_crecord.py says when it is used).
+/* The tracer's plain-op path and the region's pack hook in C (optional: _c_recorder in
+ * ac2_dist/_tracer.py says when they are used; setup.py builds them where a compiler is).
  *
  * Note [The plain-op path in C]
  *     The recording cost per op is Python bytecode: Tracer.__torch_dispatch__'s plain
@@ -18,7 +19,10 @@
  *
  *     It uses CPython's C API only (no torch headers): torch's objects are reached
  *     as Python objects, so the module builds with any torch and needs no rebuild
- *     when torch changes.
+ *     when torch changes. The slots it writes are listed below (node_fields,
+ *     entry_fields, handle_fields); _tracer.py compares them with the classes' slots at
+ *     import and refuses a build that does not match (a field added in Python must be
+ *     added here, or C-made objects would lack it).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
