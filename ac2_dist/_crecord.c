@@ -1,5 +1,5 @@
 /* The tracer's plain-op path and the region's pack hook in C (optional: _c_recorder in
- * ac2_dist/_tracer.py says when they are used; setup.py builds them where a compiler is).
+ * ac2_dist/_tracer.py says when they are used; pyproject.toml builds them where a compiler is).
  *
  * Note [The plain-op path in C]
  *     The recording cost per op is Python bytecode: Tracer.__torch_dispatch__'s plain
@@ -375,9 +375,10 @@ error:
     return -1;
 }
 
-/* The recorded args: tensors replaced by None; the shared tuple of Nones of that length
- * when no argument is a scalar. A new reference, or NULL. */
-static PyObject *recorded_args(Dispatch *d, PyObject *args, int scalars) {
+/* The recorded args: tensors replaced by None (their positions are the walk's, every
+ * third item of ``inputs``); the shared tuple of Nones of that length when no argument
+ * is a scalar. A new reference, or NULL. */
+static PyObject *recorded_args(Dispatch *d, PyObject *args, PyObject *inputs, int scalars) {
     Py_ssize_t nargs = PyTuple_GET_SIZE(args);
     if (!scalars && nargs < PyTuple_GET_SIZE(d->nones)) {
         PyObject *t = PyTuple_GET_ITEM(d->nones, nargs);
@@ -388,14 +389,20 @@ static PyObject *recorded_args(Dispatch *d, PyObject *args, int scalars) {
     if (t == NULL) return NULL;
     for (Py_ssize_t i = 0; i < nargs; i++) {
         PyObject *a = PyTuple_GET_ITEM(args, i);
-        int is_t = PyObject_IsInstance(a, d->tensor);
-        if (is_t < 0) {
+        Py_INCREF(a);
+        PyTuple_SET_ITEM(t, i, a);
+    }
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(inputs); k += 3) {
+        Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(inputs, k));
+        if (pos < 0 || pos >= nargs) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "ac2_dist._crecord: a bad input position");
             Py_DECREF(t);
             return NULL;
         }
-        PyObject *v = is_t ? Py_None : a;
-        Py_INCREF(v);
-        PyTuple_SET_ITEM(t, i, v);
+        PyObject *old = PyTuple_GET_ITEM(t, pos);
+        Py_INCREF(Py_None);
+        PyTuple_SET_ITEM(t, pos, Py_None);
+        Py_DECREF(old);
     }
     return t;
 }
@@ -483,7 +490,7 @@ static PyObject *Dispatch_call(PyObject *self, PyObject *const *argv, size_t nar
     out = PyObject_Vectorcall(fn, &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args), NULL);
     if (out == NULL) goto done;
     if (walk(d, graph, entries, args, allow, &inputs, &scalars) < 0) goto done;
-    if ((argtuple = recorded_args(d, args, scalars)) == NULL) goto done;
+    if ((argtuple = recorded_args(d, args, inputs, scalars)) == NULL) goto done;
     if ((node = record(d, graph, entries, func, fqn, inputs, argtuple, out)) == NULL) goto done;
     if (decision == d->must_recompute && PyObject_SetAttr(node, s_must_recompute, Py_True) < 0) goto done;
     result = out;
@@ -517,13 +524,8 @@ done:
     return result;
 }
 
-static PyObject *Dispatch_getslow(Dispatch *d, void *closure) {
-    Py_INCREF(d->slow);
-    return d->slow;
-}
-
-static PyGetSetDef Dispatch_getset[] = {
-    {"python", (getter)Dispatch_getslow, NULL, "The Python method this one records for.", NULL},
+static PyMemberDef Dispatch_members[] = {
+    {"python", T_OBJECT, offsetof(Dispatch, slow), READONLY, "The Python method this one records for."},
     {NULL},
 };
 
@@ -540,7 +542,7 @@ static PyTypeObject DispatchType = {
     .tp_descr_get = Dispatch_get,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(Dispatch, vectorcall),
-    .tp_getset = Dispatch_getset,
+    .tp_members = Dispatch_members,
 };
 
 /* ---- Graph.pack ------------------------------------------------------------------ */
@@ -708,13 +710,8 @@ done:
     return result;
 }
 
-static PyObject *Pack_getself(Pack *p, void *closure) {
-    Py_INCREF(p->graph);
-    return p->graph;
-}
-
-static PyGetSetDef Pack_getset[] = {
-    {"__self__", (getter)Pack_getself, NULL, "The graph whose pack hook this is (as a bound Graph.pack).", NULL},
+static PyMemberDef Pack_members[] = {
+    {"__self__", T_OBJECT, offsetof(Pack, graph), READONLY, "The graph whose pack hook this is (as a bound Graph.pack)."},
     {NULL},
 };
 
@@ -730,7 +727,7 @@ static PyTypeObject PackType = {
     .tp_dealloc = (destructor)Pack_dealloc,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(Pack, vectorcall),
-    .tp_getset = Pack_getset,
+    .tp_members = Pack_members,
 };
 
 static struct PyModuleDef module = {
