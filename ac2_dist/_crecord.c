@@ -174,6 +174,7 @@ static void Dispatch_dealloc(Dispatch *d) {
 
 /* Bound like a function: tracer.__torch_dispatch__ is a method. */
 static PyObject *Dispatch_get(PyObject *self, PyObject *obj, PyObject *type) {
+    (void)type;
     if (obj == NULL || obj == Py_None) {
         Py_INCREF(self);
         return self;
@@ -223,6 +224,36 @@ fail:
     Py_XDECREF(cap);
     return NULL;
 }
+
+/* Note [Plain records are not tracked by the collector]
+ *     A recorded op keeps objects alive until backward: its Node and the Node's flat
+ *     ``inputs`` tuple (Note [Node inputs are one flat tuple] in _nodes.py), and for
+ *     every second op of a tanh/mul chain a Handle with the weak reference the graph
+ *     lists it by. Left to the cyclic collector, each of those is tracked, survives two
+ *     young collections into the oldest generation, and after about a quarter of the
+ *     process's long-lived objects (~75k in a process that imports torch) forces a full
+ *     collection, a scan of the whole heap: a 64k-op forward paid one (~150 ms, 2.4 us
+ *     per op against 18 us of recording), and a training loop pays them all the time.
+ *     So the nodes and input tuples made here, and the weak references Pack makes, are
+ *     taken off the collector's lists when they are made. Reference counting alone frees
+ *     them, as it frees autograd's own (C++) nodes:
+ *     - a callback-less weak reference refers to nothing the collector could follow:
+ *       untracking it loses nothing;
+ *     - a node made here refers to its op (a torch global), scalars, the shared empty
+ *       kwargs, and through ``inputs`` to older nodes; fields set later (saved values,
+ *       recomputed values, rare fields) refer to tensors. Nothing in ac2 refers from
+ *       those back to a node: a graph is freed by reference counting alone (tests:
+ *       test_graph_freed_by_refcount_alone and the other refcount tests), so no cycle
+ *       ac2 makes runs through an untracked object.
+ *     The one case the collector would have handled: a cycle through user objects,
+ *     that is, a tensor the region saved (a parameter, an input) that reaches an
+ *     object that holds the region (``apply_ac_policy(...) as region`` stored on a
+ *     module that a parameter's hook refers to), and the graph still holding nodes
+ *     (random ops' chains, during forward the tensor map). Such a cycle is freed only
+ *     with the objects that hold it, as a cycle through autograd's graph is; keep
+ *     regions in locals, or drop them (test_crecord.py shows both). The Python
+ *     recorder (AC2_DIST_PURE_PYTHON=1) tracks everything.
+ */
 
 /* Graph.new_node(op, 1, fqn, inputs, args, fresh=out), for a plain op (Note [The
  * plain-op path] in _tracer.py): a Node with every slot set and out's MapEntry
@@ -279,6 +310,9 @@ static PyObject *record(Dispatch *d, PyObject *graph, PyObject *entries, PyObjec
     Py_DECREF(key);
     Py_DECREF(e);
     if (r < 0) goto fail;
+    /* Note [Plain records are not tracked by the collector] */
+    PyObject_GC_UnTrack(node);
+    if (PyTuple_GET_SIZE(inputs) > 0) PyObject_GC_UnTrack(inputs);
     return node;
 fail:
     Py_DECREF(node);
@@ -686,6 +720,7 @@ static PyObject *Pack_call(PyObject *self, PyObject *const *argv, size_t nargsf,
     set_slot(h, o[H_TAKEN], ZERO);
     set_slot(e, q[E_HANDLE], h);
     PyObject *wr = PyWeakref_NewRef(h, NULL);
+    if (wr != NULL) PyObject_GC_UnTrack(wr); /* Note [Plain records are not tracked by the collector] */
     r = wr == NULL ? -1 : PyList_Append(refs, wr);
     Py_XDECREF(wr);
     if (r < 0) goto done;
@@ -730,9 +765,22 @@ static PyTypeObject PackType = {
     .tp_members = Pack_members,
 };
 
+/* track(obj): put an object back on the collector's lists (Note [Plain records are not
+ * tracked by the collector]); nothing for one that is tracked or cannot be. */
+static PyObject *track(PyObject *mod, PyObject *obj) {
+    (void)mod;
+    if (PyObject_IS_GC(obj) && !PyObject_GC_IsTracked(obj)) PyObject_GC_Track(obj);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"track", track, METH_O, "Put an object the recorder untracked back on the cyclic collector's lists."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "ac2_dist._crecord",
-    "The tracer's plain-op path in C (Note [The plain-op path in C]).", -1, NULL,
+    "The tracer's plain-op path in C (Note [The plain-op path in C]).", -1, module_methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__crecord(void) {

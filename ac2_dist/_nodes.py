@@ -285,7 +285,9 @@ def input_refs(node: Node) -> Iterator[tuple[Any, Node, int]]:
         ``(pos, producer, idx, ...)`` rather than a list of 3-tuples: one object per
         node instead of one plus one per input. Every node lives until backward, and
         objects the garbage collector tracks are what makes recording slow down with
-        region length (full collections scan them all).
+        region length (full collections scan them all); the C recorder's nodes and
+        tuples are not tracked at all (Note [Plain records are not tracked by the
+        collector] in _crecord.c).
     """
     it = iter(node.inputs)
     return zip(it, it, it)

@@ -51,7 +51,7 @@ import torch
 
 from ._graph import Graph, GraphStats
 from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, PolicySource, _Frame, is_save
-from ._tracer import Tracer, pack_hook
+from ._tracer import Tracer, pack_hook, track_what_the_graph_holds
 from .compile import (
     checkpoint_compiled,
     in_eager_fallback,
@@ -280,6 +280,7 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
         st.install = None
         st.graph = None
         install.graph.close_map()
+        track_what_the_graph_holds(install.graph)  # Note [A graph holds only tracked nodes]
         try:
             install.tracer.__exit__(exc_type, exc, tb)
         finally:

@@ -98,6 +98,7 @@ Note [What inference mode records]
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -696,6 +697,38 @@ def pack_hook(graph: Graph) -> Callable[[torch.Tensor], Handle]:
     if C_DISPATCH is None or Tracer.__torch_dispatch__ is not C_DISPATCH:
         return graph.pack
     return _C.Pack(graph=graph, handle=Handle, entry=MapEntry, node=Node)
+
+
+def track_what_the_graph_holds(graph: Graph) -> None:
+    """Forward ended (the tensor map is closed): the nodes the graph itself still holds,
+    the random ops' chains (Note [One generator state per region] in _graph.py), and
+    every node they reach go back on the cyclic collector's lists, with their inputs.
+
+    Note [A graph holds only tracked nodes]
+        The C recorder takes its nodes off the collector's lists (Note [Plain records
+        are not tracked by the collector] in _crecord.c). That is safe only for nodes
+        no object the user can hold reaches through references the collector follows:
+        a user's object that holds the region (or its graph) and that a saved tensor
+        refers to (a parameter's attribute, a hook's closure) would otherwise make a
+        cycle through an untracked node, one the collector cannot free. In forward the
+        graph reaches nodes through the tensor map (the thread's region state holds the
+        graph then: nothing is garbage); after forward only through ``rng_chains``, so
+        at region exit every node reachable from there is tracked again. Nothing else
+        of a graph, a region, a budget or a tracker refers to nodes after forward
+        (test_crecord.py walks them for untracked nodes).
+    """
+    if _C is None or not graph.rng_chains:
+        return
+    track, seen = _C.track, set()
+    todo: list[Any] = [n for chain in graph.rng_chains for n in chain.nodes]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        track(o)
+        # a node's inputs tuple, its rare-field dict and what they hold (older nodes)
+        todo.extend(r for r in gc.get_referents(o) if isinstance(r, (Node, tuple, dict)))
 
 
 @contextlib.contextmanager

@@ -34,7 +34,10 @@ backward to torch's, the growth of the forward cost per op from 1k ops to the la
 (every ratio is the median over rounds of the two figures' ratio in the same round), and the Python heap kept per recorded
 op (``tracemalloc``, the graph of one ``ac2-full`` / ``ac2-save`` forward still alive), and,
 as a diagnostic, ``ac2-full``'s forward with the cyclic garbage collector paused during the
-timed forward (what the growth with region length is made of).
+timed forward (what the growth with region length is made of). Each timed step starts after
+a collection; a second diagnostic (``--loop-ops``, 0 to skip) runs steps back to back as a
+training loop does and reports the time the collector takes per op during forwards and the
+full collections (objects a step keeps until its backward age into the oldest generation).
 
 With ``--baseline DIR`` (a checkout of another ac2_dist revision, e.g. made by ``git
 worktree add /tmp/base <rev>``), that revision's package is imported beside this one (as
@@ -294,6 +297,63 @@ def forward_gc_paused(sizes: list[int], rounds: int) -> dict[int, float]:
     return {n: statistics.median(fwd[n]) / n * 1e6 for n in sizes}
 
 
+def collector_in_a_loop(sizes: list[int], total_ops: int, modes: tuple[str, ...]) -> dict[str, dict[int, dict]]:
+    """Diagnostic: the cyclic collector's share of a forward in a training loop. For each
+    size, steps of that many ops (forward and backward) back to back until ``total_ops``
+    ops ran, with no collection forced between steps (one before the first): what a
+    training loop sees, where objects a step keeps into its backward age into the oldest
+    generation and trigger full collections. Measured with ``gc.callbacks`` during the
+    forwards: microseconds per op spent in the collector, the forward's microseconds per
+    op, and the number of full (generation 2) collections."""
+    x = torch.randn(16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    out: dict[str, dict[int, dict]] = {}
+    for mode in modes:
+        out[mode] = {}
+        for n in sizes:
+            fn = forward_fn(mode, n)
+            one_step(fn, x, w)  # warm caches
+            spent, full, started, timing = [0.0], [0], [0.0], [False]
+
+            def on_gc(phase: str, info: dict, spent=spent, full=full, started=started, timing=timing) -> None:
+                if not timing[0]:
+                    return
+                if phase == "start":
+                    started[0] = time.perf_counter()
+                else:
+                    spent[0] += time.perf_counter() - started[0]
+                    full[0] += info["generation"] == 2
+
+            steps, fwd = max(1, total_ops // n), 0.0
+            gc.collect()
+            gc.callbacks.append(on_gc)
+            try:
+                for _ in range(steps):
+                    x.grad = w.grad = None
+                    timing[0] = True
+                    t0 = time.perf_counter()
+                    y = fn(x, w)
+                    fwd += time.perf_counter() - t0
+                    timing[0] = False
+                    y.sum().backward()
+                    del y
+            finally:
+                gc.callbacks.remove(on_gc)
+            ops = steps * n
+            out[mode][n] = {"gc_us": spent[0] / ops * 1e6, "fwd_us": fwd / ops * 1e6, "full": full[0], "steps": steps}
+    return out
+
+
+def report_loop(loop: dict[str, dict[int, dict]], total_ops: int) -> str:
+    lines = [f"The collector in a training loop (steps back to back, {total_ops} ops per size, no collection forced"
+             " between steps): us per op in the collector during forwards / forward us per op, full collections"]
+    for mode, by_size in loop.items():
+        lines.append(f"  {mode}: " + ", ".join(
+            f"{_size(n)} {r['gc_us']:.2f} / {r['fwd_us']:.1f} ({r['full']} full in {r['steps']} steps)"
+            for n, r in by_size.items()))
+    return "\n".join(lines)
+
+
 def _size(n: int) -> str:
     return f"{n // 1000}k" if n % 1000 == 0 else str(n)
 
@@ -483,6 +543,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--heap-ops", type=int, default=4000)
     p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     p.add_argument("--json", default=None)
+    p.add_argument("--loop-ops", type=int, default=256000,
+                   help="ops per size for the collector-in-a-loop diagnostic (0: skip it)")
     p.add_argument("--baseline", default=None, metavar="DIR",
                    help="a checkout of another ac2_dist revision, measured in the same rounds")
     p.add_argument("--instructions", action="store_true",
@@ -538,6 +600,10 @@ def main(argv: list[str] | None = None) -> dict:
             heap[name] = heap_per_op(args.heap_ops, policy, base)
             print(f"Python heap kept per recorded op ({name}, tracemalloc): {heap[name]:.0f} B")
     out = {"results": results, "heap_per_op": heap, "ac2_full_fwd_us_gc_paused": paused}
+    if args.loop_ops:
+        loop_modes = tuple(m for m in ("ac2-full", "ac2-full-py", "noop-mode") if m in modes)
+        out["collector_in_a_loop"] = collector_in_a_loop(args.sizes, args.loop_ops, loop_modes)
+        print(report_loop(out["collector_in_a_loop"], args.loop_ops))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

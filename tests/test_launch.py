@@ -101,18 +101,22 @@ def test_bench_tracer_runs(tmp_path):
     eager's gradient, and a baseline checkout (this one) is timed beside it."""
     out = os.path.join(tmp_path, "tracer.json")
     cmd = [sys.executable, os.path.join(ROOT, "launch", "bench_tracer.py"), "--sizes", "200", "400", "--rounds", "2",
-           "--warmup", "0", "--heap-ops", "200", "--baseline", ROOT, "--json", out]
+           "--warmup", "0", "--heap-ops", "200", "--loop-ops", "800", "--baseline", ROOT, "--json", out]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| record floor |" in proc.stdout and "ac2 full fwd / record floor" in proc.stdout
     assert "record-floor: forward per op at 400 ops / at 200: " in proc.stdout
     assert "ac2-full / base-full (forward / backward, paired per round)" in proc.stdout
+    assert "The collector in a training loop" in proc.stdout
     data = json.load(open(out))
     for size in ("200", "400"):
         modes = data["results"][size]
         assert {"record-floor", "ac2-full", "base-full", "noop-mode+hooks"} <= set(modes)
         assert all(len(m["fwd_s"]) == 2 and min(m["fwd_s"]) > 0 for m in modes.values())
     assert 0 < data["heap_per_op"]["ac2-full"] < 2000
+    loop = data["collector_in_a_loop"]
+    assert set(loop) == {"ac2-full", "ac2-full-py", "noop-mode"}
+    assert all(r["steps"] >= 2 and r["fwd_us"] > 0 and r["gc_us"] >= 0 for m in loop.values() for r in m.values())
 
 
 def test_bench_tracer_counts_instructions(tmp_path):
