@@ -765,16 +765,80 @@ static PyTypeObject PackType = {
     .tp_members = Pack_members,
 };
 
-/* track(obj): put an object back on the collector's lists (Note [Plain records are not
- * tracked by the collector]); nothing for one that is tracked or cannot be. */
-static PyObject *track(PyObject *mod, PyObject *obj) {
+/* track_from(roots, node_type) (Note [A graph holds only tracked nodes] in _tracer.py):
+ * every object reachable from ``roots`` through nodes (exactly node_type), tuples and dicts
+ * -- a node's inputs tuple, its rare-field dict and what they hold -- goes back on the
+ * collector's lists. Referents are found with each object's tp_traverse, as
+ * gc.get_referents does. An untracked object is visited once (the visit tracks it); a
+ * tracked one (a node recorded in Python, whose ancestors may be untracked) once too, by a
+ * set of addresses. No Python code runs during the walk. */
+typedef struct {
+    PyObject **items; /* owned references */
+    Py_ssize_t size, capacity;
+    PyTypeObject *node_t;
+} TrackWalk;
+
+static int track_push(TrackWalk *w, PyObject *o) {
+    if (w->size == w->capacity) {
+        Py_ssize_t cap = w->capacity ? 2 * w->capacity : 256;
+        PyObject **items = PyMem_Realloc(w->items, sizeof(PyObject *) * cap);
+        if (items == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        w->items = items;
+        w->capacity = cap;
+    }
+    Py_INCREF(o);
+    w->items[w->size++] = o;
+    return 0;
+}
+
+static int track_visit(PyObject *o, void *arg) {
+    TrackWalk *w = (TrackWalk *)arg;
+    if (Py_TYPE(o) == w->node_t || PyTuple_CheckExact(o) || PyDict_CheckExact(o)) return track_push(w, o);
+    return 0;
+}
+
+static PyObject *track_from(PyObject *mod, PyObject *args) {
     (void)mod;
-    if (PyObject_IS_GC(obj) && !PyObject_GC_IsTracked(obj)) PyObject_GC_Track(obj);
-    Py_RETURN_NONE;
+    PyObject *roots, *seen = NULL, *result = NULL, *list = NULL;
+    PyTypeObject *node_t;
+    if (!PyArg_ParseTuple(args, "OO!:track_from", &roots, &PyType_Type, &node_t)) return NULL;
+    TrackWalk w = {NULL, 0, 0, node_t};
+    if ((list = PySequence_List(roots)) == NULL || (seen = PySet_New(NULL)) == NULL) goto done;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++)
+        if (track_visit(PyList_GET_ITEM(list, i), &w) < 0) goto done;
+    while (w.size > 0) {
+        PyObject *o = w.items[--w.size]; /* owned */
+        int r = 0;                         /* 0: visit it, 1: seen already, -1: error */
+        if (!PyObject_GC_IsTracked(o)) {
+            PyObject_GC_Track(o);
+        } else {
+            PyObject *key = PyLong_FromVoidPtr(o);
+            r = key == NULL ? -1 : PySet_Contains(seen, key);
+            if (r == 0) r = PySet_Add(seen, key);
+            Py_XDECREF(key);
+        }
+        traverseproc traverse = Py_TYPE(o)->tp_traverse;
+        if (r == 0 && traverse != NULL && traverse(o, track_visit, &w) < 0) r = -1;
+        Py_DECREF(o);
+        if (r < 0) goto done;
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    while (w.size > 0) Py_DECREF(w.items[--w.size]);
+    PyMem_Free(w.items);
+    Py_XDECREF(list);
+    Py_XDECREF(seen);
+    return result;
 }
 
 static PyMethodDef module_methods[] = {
-    {"track", track, METH_O, "Put an object the recorder untracked back on the cyclic collector's lists."},
+    {"track_from", track_from, METH_VARARGS,
+     "track_from(roots, node_type): put every node reachable from roots (and its tuples and dicts) back on the "
+     "cyclic collector's lists."},
     {NULL, NULL, 0, NULL},
 };
 
