@@ -245,13 +245,13 @@ fail:
  *       those back to a node: a graph is freed by reference counting alone (tests:
  *       test_graph_freed_by_refcount_alone and the other refcount tests), so no cycle
  *       ac2 makes runs through an untracked object.
- *     The one case the collector would have handled: a cycle through user objects,
- *     that is, a tensor the region saved (a parameter, an input) that reaches an
- *     object that holds the region (``apply_ac_policy(...) as region`` stored on a
- *     module that a parameter's hook refers to), and the graph still holding nodes
- *     (random ops' chains, during forward the tensor map). Such a cycle is freed only
- *     with the objects that hold it, as a cycle through autograd's graph is; keep
- *     regions in locals, or drop them (test_crecord.py shows both). The Python
+ *     The one case the collector would still be needed for is a cycle through user
+ *     objects: a tensor the region saved (a parameter, an input) that reaches an object
+ *     holding the region or its graph, while the graph reaches untracked nodes. During
+ *     forward the thread's region state holds the graph (nothing is garbage); after it,
+ *     a graph reaches nodes only through its random ops' chains, and region exit tracks
+ *     every node reachable from there again (Note [A graph holds only tracked nodes] in
+ *     _tracer.py; test_a_cycle_through_user_objects_is_still_collected). The Python
  *     recorder (AC2_DIST_PURE_PYTHON=1) tracks everything.
  */
 
