@@ -113,8 +113,19 @@ Note [One generator state per region]
     for their effect on the generator only -- and keeps the state after each op as
     the new frontier. Backward needs a region's last random op first, so in practice
     the first replay regenerates the region's masks in order, as torch's recompute
-    does. A random op the region saves (or runs unrecorded under inference mode)
-    ends the chain; the next one starts a new chain with a fresh stash.
+    does. A random op run unrecorded (under inference mode, or with ``rng="save"`` in
+    a nested region) ends the chain; the next one starts a new chain with a fresh
+    stash. A random op the region saves does not (next Note).
+
+Note [A saved random op stays in its chain]
+    A policy may save a random op's output (a save list naming ``aten.randn_like``)
+    while the region replays the others (``rng="replay"``). The saved op still moves
+    its generator in forward, so the replay of the next random op needs the state
+    after it. Rather than a second stash (a CPU generator state is 5 KB), the saved op
+    keeps its recorded inputs and its place in the chain: advancing the chain past it
+    runs it privately for its effect on the generator only (its output is the saved
+    one), as for any chain op backward does not need. Its inputs are replayed only if
+    a later random op of the chain is replayed.
 
 Note [Saved values die at their last use]
     A saved op output (a policy save, a side effect's output) that no autograd handle
@@ -167,6 +178,7 @@ from ._nodes import (
 )
 from ._policy import Decision
 from ._replayer import Replayer
+from ._writes import HeldStorages, Literal, stale_view
 from .compile import skip_dynamo
 from .fsdp import ensure_unsharded
 
@@ -267,6 +279,9 @@ class Graph(Replayer):
         # This region's block of an offload schedule (offload.OffloadUnit; set by the region
         # when its ReplayConfig has an Offload): where CPU-offloaded saves go.
         self.offload: Any = None
+        # Values held by reference, found by storage when something writes (Note [Held
+        # values are found by storage] in _writes.py); forward only.
+        self.held: HeldStorages | None = HeldStorages()
 
     # ---- forward side -------------------------------------------------------------
     def rng_chain(self, generator: torch.Generator) -> RngChain:
@@ -331,7 +346,7 @@ class Graph(Replayer):
 
     def close_map(self) -> None:
         """Forward ended: drop the tensor map (its entries keep nodes alive)."""
-        self.map = self._entries = None
+        self.map = self._entries = self.held = None
 
     def _grow_uses(self, end: int) -> None:
         """Make room for counters up to ``end`` (Note [Use counts live in one array])."""
@@ -347,25 +362,48 @@ class Graph(Replayer):
         allow_mutation: bool,
         owner: str = "region input",
         version: int | None = None,
+        made_here: bool = False,
     ) -> Node:
         """A saved node holding ``t`` (a region input or a new version; ``version``:
-        the version ``t`` will have once the op writing it returns)."""
+        the version ``t`` will have once the op writing it returns). ``made_here``: the
+        region computed ``t``; it is held as a detached alias, not as itself (Note
+        [Writes inside a region] in _writes.py, 3)."""
         node = self.new_node(None, 1, self.frames[-1].module_fqn if self.frames else "")
         version = version_of(t) if version is None else version
         saved = Saved(
-            t, decision, reason=reason, allow_mutation=allow_mutation, keep_identity=True, owner=owner,
+            t, decision, reason=reason, allow_mutation=allow_mutation,
+            keep_identity=not made_here or not (t.is_floating_point() or t.is_complex()), owner=owner,
             version=version, offload=self.offload,
         )
         node.set_saved(0, saved)
+        self.held.add(node, 0)
         self.stats.saved_nodes += 1
         self.map.set(t, node, 0, version)
         return node
 
+    def literal_leaf(self, t: torch.Tensor, fqn: str) -> Node:
+        """A leaf remembering the small literal ``t`` by value (Note [Writes inside a
+        region] in _writes.py)."""
+        node = self.new_node(None, 1, fqn)
+        node.set_saved(0, Literal(t))
+        self.map.set(t, node, 0, None)
+        return node
+
     def ref(self, t: torch.Tensor, allow_mutation: bool) -> tuple[Node, int]:
-        """The node output that ``t`` currently is (a new leaf if it is unknown or stale)."""
+        """The node output that ``t`` currently is: a new leaf if it is unknown; if it
+        is stale (written since), a view re-made from its base, else a new leaf (Note
+        [Writes inside a region] in _writes.py)."""
         e = self.map.get(t)
         if e is not None and (e.version is None or e.version == t._version):
             return e.node, e.idx
+        fqn = self.frames[-1].module_fqn if self.frames else ""
+        if e is not None and t._is_view():
+            found = stale_view(self, t, fqn)
+            if found is not None:
+                return found
+        if e is not None and e.node.op is not None:
+            owner = f"value made in the region by {e.node.op}, read after an in-place write to its storage"
+            return self.leaf(t, _CP.MUST_SAVE, "boundary", allow_mutation, owner, made_here=True), 0
         return self.leaf(t, _CP.MUST_SAVE, "boundary", allow_mutation), 0
 
     def tag(self, t: torch.Tensor, decision: Decision, allow_mutation: bool) -> None:
@@ -419,6 +457,8 @@ class Graph(Replayer):
             idx, Saved(t, decision, reason=reason, allow_mutation=allow, keep_identity=keep, owner=owner,
                        offload=self.offload)
         )
+        if self.held is not None:
+            self.held.add(node, idx)
         if node.op is None:
             return
         uses, seq = self.uses, node.seq
@@ -430,8 +470,9 @@ class Graph(Replayer):
             node.scheduled = False
             for m, j in producers(node):
                 self._disarm(m, j)
-        if not node.scheduled and all(s is not None for s in node.saved):
-            # Fully saved now: recompute never passes through it, let its inputs go.
+        if not node.scheduled and node.rng is None and all(s is not None for s in node.saved):
+            # Fully saved now: recompute never passes through it, let its inputs go (a
+            # random op keeps them: Note [A saved random op stays in its chain]).
             node.inputs = ()
             node.args = ()
             node.kwargs = NO_KWARGS

@@ -258,6 +258,9 @@ class Node:
     # Accumulator arguments a replay fills with scratch zeros, as (position, shape,
     # dtype, device) (Note [Statistics an op accumulates] in side_effects.py).
     scratch: tuple = ()
+    # Positions of a replayable write's arguments that are the written tensor itself: the
+    # replay passes them the written tensor (Note [Writes inside a region] in _writes.py).
+    same: tuple = ()
 
     def __repr__(self) -> str:
         return f"Node({self.op or 'input'}, seq={self.seq})"

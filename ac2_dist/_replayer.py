@@ -29,6 +29,32 @@ def _node_seq(n: Node) -> int:
     return n.seq
 
 
+def _owns_storage(v: torch.Tensor) -> bool:
+    """No tensor but ``v`` is on ``v``'s storage (the temporary storage object this
+    asks through counts one more).
+
+    Note [A replayed write owns its storage]
+        A replayed write (Note [Replaying writes to fresh tensors], Note [Writes through
+        views of fresh tensors] in _graph.py) writes into the value its producer's
+        replay made. That is exact only if nothing else still needs the bytes from
+        before the write: no pending use of the value itself (``shared``), no value
+        parked for a handle by a prefetch that is this very tensor, and no other live
+        tensor on its storage -- a view of it cached for a consumer that has not run
+        yet, parked by a prefetch, or held by the autograd node whose saved tensors are
+        being unpacked. The last is read from the storage's use count. Otherwise the
+        replay writes into a copy (a clone keeps a dense value's strides, so views
+        re-made from it by ``as_strided`` read what they read in forward: Note [Writes
+        inside a region] in _writes.py). The written input is taken after the op's
+        other inputs, so an argument that reads the value before the write does not
+        count as a second user of it. A view the write itself builds from the value
+        comes after the check.
+    """
+    try:
+        return torch._C._storage_Use_Count(v.untyped_storage()._cdata) <= 2
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):  # no storage: assume shared
+        return False
+
+
 class Replayer:
     """Base class of :class:`~ac2_dist._graph.Graph`: the replay of recorded ops (see
     the module docstring). Its methods read the graph's state below and call the
@@ -36,6 +62,7 @@ class Replayer:
 
     uses: array  # pending uses per node output (Note [Use counts live in one array])
     stats: GraphStats
+    _parked: dict[int, int]  # id(prefetched value) -> handles holding it
     executor: Any  # runs one node (ac2_dist.replay: inline, side stream)
     tracker: Any  # an active ac2_dist.memory.Tracker, if any
     rng_chains: list[RngChain]
@@ -147,22 +174,30 @@ class Replayer:
             kwargs = dict(node.kwargs) if node.kwargs else {}
         writes = node.writes
         cloned = 0
-        base = None
-        it = iter(node.inputs)
+        base = written = None
+        inputs = node.inputs
+        if writes:  # the written inputs last (Note [A replayed write owns its storage])
+            triples = [inputs[k:k + 3] for k in range(0, len(inputs), 3)]
+            triples.sort(key=lambda t: t[0] in writes)
+            inputs = tuple(x for t in triples for x in t)
+        it = iter(inputs)
         for pos, m, j in zip(it, it, it):
             v, shared = value_of(m, j)
             if writes and pos in writes:
-                if shared:
-                    # Someone else still needs the value from before the write (Note
-                    # [Replaying writes to fresh tensors]).
+                if shared or id(v) in self._parked or not _owns_storage(v):
+                    # Someone else still needs the bytes from before the write (Note [A
+                    # replayed write owns its storage]).
                     v = v.clone()
                     cloned += tensor_nbytes(v)
                 if node.via is not None:  # Note [Writes through views of fresh tensors]
                     base = v
-                    for op, vargs, vkwargs, src in node.via:
+                    for op, vargs, vkwargs, src, k in node.via:
                         vargs = list(vargs)
                         vargs[src] = v
                         v = op(*vargs, **vkwargs)
+                        if k is not None:  # a multi-output view (split, unbind): its output k
+                            v = v[k]
+                written = v
             if type(pos) is int:
                 args[pos] = v
             elif type(pos) is str:
@@ -170,6 +205,11 @@ class Replayer:
             else:
                 p, k = pos
                 (args if type(p) is int else kwargs)[p][k] = v
+        for pos in node.same:  # the written tensor itself (Note [Writes inside a region] in _writes.py)
+            if type(pos) is int:
+                args[pos] = written
+            else:
+                kwargs[pos] = written
         for pos, shape, dtype, device in node.scratch:  # Note [Statistics an op accumulates]
             args[pos] = torch.zeros(shape, dtype=dtype, device=device)
         chain = None

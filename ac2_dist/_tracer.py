@@ -108,6 +108,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._graph import Graph
 from ._nodes import NO_KWARGS, Handle, MapEntry, Node, Saved, alias, flatten_outputs, version_of
 from ._policy import PolicyContext, _Frame, is_save, resolve
+from ._writes import literal, same_as_written
 from .compile import COMPILER_STATE as _COMPILER
 from .compile import skip_dynamo as _skip_dynamo
 from .replay import default_generator
@@ -281,16 +282,24 @@ class Tracer(TorchDispatchMode):
         if info.higher_order:
             return self._higher_order(func, args, kwargs)
         inner = frames[-1]
+        if info.view_src is not None and not types and (lit := literal(func, args)) is not None:
+            if self.graph.map.get(lit) is None:  # Note [Writes inside a region] (_writes.py)
+                return self._literal(func, lit, inner)
 
         rng = None
         writes = info.written and info.writes(args)
         fresh = accum = False
         written = via = None
+        made_before: dict = {}
         if writes:
             written = self._before_writes(info, args, kwargs)
+            for t in written.values():  # which written tensors the region made (error names, leaves)
+                e = self.graph.map.get(t)
+                if e is not None and e.node.op is not None:
+                    made_before[id(t)] = e.node.op
             if info.accumulators:  # Note [Statistics an op accumulates] (side_effects.py)
                 accum = info.accumulates(args)
-            elif info.declared_writes and info.side_effect is _MUTATION and not info.has_tensor_lists:
+            elif info.declared_writes and info.side_effect is _MUTATION and not info.written_lists:
                 fresh = self._fresh(written)
                 if not fresh and len(written) == 1:  # Note [Writes through views of fresh tensors]
                     via = self._written_view(written, args, kwargs)
@@ -368,8 +377,13 @@ class Tracer(TorchDispatchMode):
             src = args[info.view_src]
             view_version = version_of(src)
         if not save:
+            # Note [Writes inside a region] (_writes.py): arguments that are the written
+            # tensor itself read the written tensor in the replay, not an input of their own.
+            same = same_as_written(written.values(), args, kwargs, info.written) if fresh else ()
             node = self._recomputable(graph, func, info, args, kwargs, len(flat) + (via is not None), inner,
-                                      info.accumulators if accum else ())
+                                      info.accumulators if accum else (), same)
+            if same:
+                node.same = same
             if rng is not None:
                 node.rng = (rng.index, len(rng.nodes))
                 rng.nodes.append(node)
@@ -381,14 +395,20 @@ class Tracer(TorchDispatchMode):
                     self._rebase(node, via)
         else:
             via = None  # saved: the base is not remapped (its next use is a new version)
-            if random:  # a saved random op ends its generator's chain
-                graph.open_chains.clear()
             if src is not None:
                 e = gmap.get(src)
                 if e is not None:
                     e.node.viewed = True
-            node = graph.new_node(func, len(flat), inner.module_fqn)
+            if rng is not None:  # Note [A saved random op stays in its chain] (_graph.py)
+                node = self._recomputable(graph, func, info, args, kwargs, len(flat), inner)
+                node.rng = (rng.index, len(rng.nodes))
+                rng.nodes.append(node)
+            else:
+                if random:  # drawn outside a chain (rng="save"): chains restart after it
+                    graph.open_chains.clear()
+                node = graph.new_node(func, len(flat), inner.module_fqn)
             graph.stats.saved_nodes += 1
+            held = graph.held
             keep_base = not info.returns_alias
             counter = alias(src) if src is not None and view_version is not None else None
             for i, o in enumerate(flat):
@@ -404,6 +424,7 @@ class Tracer(TorchDispatchMode):
                               keep_identity=keep, owner=info.owner, version=version,
                               counter=counter, offload=graph.offload),
                     )
+                    held.add(node, i)  # Note [Held values are found by storage] (_writes.py)
         if (
             single and src is None and not writes and not types and not info.returns_alias
             and not info.fresh_output and args and isinstance(args[0], _Tensor)
@@ -435,10 +456,13 @@ class Tracer(TorchDispatchMode):
 
         if writes and not fresh:
             returned = {id(o) for o in flat if isinstance(o, _Tensor)}
-            owner = f"tensor written by {func}"
             for t in written.values():
                 if id(t) not in returned:
-                    graph.leaf(t, _CP.MUST_SAVE, "side_effect", inner.allow_mutation, owner, t._version + bump)
+                    made = made_before.get(id(t))
+                    owner = (f"value made in the region by {made}, then written by {func}" if made
+                             else f"tensor written by {func}")
+                    graph.leaf(t, _CP.MUST_SAVE, "side_effect", inner.allow_mutation, owner, t._version + bump,
+                               made_here=made is not None)
         if graph.observer is not None:  # a calibrating memory budget (budget.py)
             graph.observer(node, func, args, kwargs, out)
         return out
@@ -477,6 +501,7 @@ class Tracer(TorchDispatchMode):
                 node.set_saved(i, Saved(o, decision, reason="policy", allow_mutation=inner.allow_mutation,
                                         keep_identity=False, owner=f"output of {func}",
                                         offload=graph.offload))
+                graph.held.add(node, i)
                 graph.map.set(o, node, i, version_of(o))
         returned = {id(o) for o in flat}
         for t in inputs:
@@ -499,6 +524,7 @@ class Tracer(TorchDispatchMode):
                 elif isinstance(w, (list, tuple)):
                     stack.extend(w)
         self._snapshot_read(written.values())
+        self.graph.held.before_write(written.values())  # Note [Held values are found by storage] (_writes.py)
         return written
 
     def _fresh(self, written: dict[int, torch.Tensor]) -> bool:
@@ -510,12 +536,12 @@ class Tracer(TorchDispatchMode):
             if e is None or e.version != t._version or t._is_view():
                 return False
             node, idx = e.node, e.idx
-            if node.op is None or node.viewed or node.aliased or node.cut or (
+            # Views of it and reads of it before the write are fine: the replay copies what
+            # others still need (Note [Writes inside a region] in _writes.py).
+            if node.op is None or node.aliased or node.cut or (
                 node.saved is not None and node.saved[idx] is not None
             ):
                 return False
-            if node.via is not None and (node.readers or node.held):
-                return False  # a write through a view: its outputs alias (Note [Writes through views ...])
             partner = node.alias_of
             if partner is not None:  # Note [Aliases a schema does not declare]
                 m, j = partner
@@ -536,12 +562,12 @@ class Tracer(TorchDispatchMode):
         e, eb = gmap.get(w), gmap.get(base)
         if e is None or eb is None or e.version != w._version or eb.version != base._version:
             return None
-        if sum(a is w for a in args) + sum(v is w for v in kwargs.values()) != 1:
-            return None  # the view is also read by this op
         node, idx = e.node, e.idx
         steps: list[tuple] = []
         while True:
-            if (node.op is None or node.cut or node.held or node.readers != node.viewers
+            # Reads of the base or of a view before the write are fine (Note [Writes inside
+            # a region] in _writes.py); a value autograd holds is not (eager's own check).
+            if (node.op is None or node.cut or node.held
                     or (node.saved is not None and node.saved[idx] is not None)):
                 return None
             if node is eb.node and idx == eb.idx:
@@ -555,7 +581,9 @@ class Tracer(TorchDispatchMode):
             src = (_INFO.get(id(node.op)) or op_info(node.op)).view_src
             if src is None or node.lists or len(node.inputs) != 3 or node.inputs[0] != src:
                 return None
-            steps.insert(0, (node.op, node.args, node.kwargs, src))
+            # (op, args, kwargs, source position, output index): multi-output views
+            # (split, unbind, chunk) return a list, the step takes its output ``idx``.
+            steps.insert(0, (node.op, node.args, node.kwargs, src, idx if node.nout > 1 else None))
             _, node, idx = node.inputs
         if node.aliased or node.alias_of is not None:
             return None
@@ -590,8 +618,19 @@ class Tracer(TorchDispatchMode):
                         break
                     node, idx = node.alias_of
 
+    def _literal(self, func, t: torch.Tensor, frame: _Frame) -> torch.Tensor:
+        """``aten.lift_fresh`` of a small literal Python made: the literal becomes a leaf
+        remembered by value (Note [Writes inside a region] in _writes.py), and the op's
+        output (``t`` itself) that leaf."""
+        out = func(t)
+        self.graph.literal_leaf(t, frame.module_fqn)
+        if out is not t:
+            e = self.graph.map.get(t)
+            self.graph.map.set(out, e.node, 0, version_of(out))
+        return out
+
     @staticmethod
-    def _recomputable(graph: Graph, func, info, args, kwargs, nout, frame, scratch=()) -> Node:
+    def _recomputable(graph: Graph, func, info, args, kwargs, nout, frame, scratch=(), same=()) -> Node:
         # Note [Node inputs are one flat tuple] (_nodes.py), in argument order. Built by
         # tuple concatenation (arguments are few); a tensor list (cat of many) in one step.
         # The node is made after the walk: a leaf the walk makes for an unknown argument
@@ -607,6 +646,8 @@ class Tracer(TorchDispatchMode):
             if isinstance(a, _Tensor):
                 if scratch and i in scratch:
                     zeroed += ((i, a.shape, a.dtype, a.device),)
+                    continue
+                if same and i in same:  # filled with the written tensor (Note [Writes inside a region])
                     continue
                 e = gmap_get(id(a))
                 if e is not None and e() is a and ((v := e.version) is None or v == a._version):
@@ -630,10 +671,12 @@ class Tracer(TorchDispatchMode):
             tkw = dict(kwargs)
             for k, v in kwargs.items():
                 if isinstance(v, _Tensor):
+                    tkw[k] = None
+                    if same and k in same:
+                        continue
                     m, j = graph.ref(v, allow)
                     m.readers += 1
                     inputs += (k, m, j)
-                    tkw[k] = None
                 elif info.has_tensor_lists and type(v) in (list, tuple):
                     tkw[k], refs = _list_refs(graph, k, v, allow)
                     inputs += refs

@@ -126,6 +126,10 @@ class OpInfo:
     #: ``call`` runs the op only while ``op._op is call`` (torch >= 2.14: a custom op's
     #: Python dispatcher rebinds ``_op``); the tracer checks that per call, else calls ``op``.
     guarded: bool = False
+    #: A written argument is a ``Tensor[]`` (``_foreach_*_``, list collectives): such a
+    #: write is never replayed (Note [Writes inside a region] in _writes.py). Index lists
+    #: (``index_put_``'s ``Tensor?[]``) are read, not written.
+    written_lists: bool = False
 
     def writes(self, args: tuple) -> bool:
         """True if this call writes one of its arguments."""
@@ -292,12 +296,14 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
         )
     written: list[int | str] = []
     dropout_arg = generator_arg = None
-    has_lists = False
+    has_lists = written_lists = False
     for i, arg in enumerate(schema.arguments):
         pos: int | str = arg.name if arg.kwarg_only else i
+        is_list = _is_tensor_list_type(arg.type)
         if arg.alias_info is not None and arg.alias_info.is_write:
             written.append(pos)
-        if _is_tensor_list_type(arg.type):
+            written_lists = written_lists or is_list
+        if is_list:
             has_lists = True
         if arg.name == "dropout_p":
             dropout_arg = (i, arg.name)
@@ -361,6 +367,7 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
         owner=f"output of {op}",
         call=call,
         guarded=guarded,
+        written_lists=written_lists,
     )
 
 

@@ -1,0 +1,253 @@
+"""In-place writes inside a region: what the tracer records for a write through any alias,
+and what it holds so that every replay reads what forward read.
+
+The tracer (``_tracer.py``) asks this module three questions: before an op writes, which
+held values share the written storage (:meth:`HeldStorages.before_write`); for a tensor
+the tensor map does not know as it is now, what it is (:func:`stale_view`,
+:func:`literal`); and, for a write that is replayed, which of the op's other arguments
+are the written tensor itself (:func:`same_as_written`). ``Graph.ref`` and the tracer's
+write path call these; the replay side of the rule is in ``_replayer.py``
+(``Replayer._execute``).
+
+Note [Writes inside a region]
+    One rule for every in-place write the tracer sees (an op whose schema writes an
+    argument: ``copy_``, ``mul_``, ``index_put_`` from ``buf[idx] = v``, ``masked_scatter_``,
+    ``out=`` overloads ...), whatever alias it writes through (the tensor, a view, a view
+    of a view, an output of ``split``/``unbind``/``chunk``):
+
+    1. **A value the region computed is replayed.** The write is recorded as a
+       recomputable op when the written tensor is, directly or through recorded view ops
+       (Note [Writes through views of fresh tensors] in _graph.py), the current output of
+       a recomputable op of the region that nothing saved and no autograd handle holds.
+       Reads of that value (or of its views) before the write are fine: the replay
+       writes into the value its producer's replay made, after copying it if anything
+       else still needs the bytes from before the write -- a pending use of the value,
+       or any other live tensor on the same storage (a cached or prefetched view of it):
+       Note [A replayed write owns its storage] in _replayer.py. An argument of the
+       write that *is* the written tensor (``h.masked_scatter_(mask, h)``: the same
+       tensor, or a view with the same storage, offset, sizes and strides) is not a
+       separate input: the replay passes it the written tensor, so it reads what it read
+       in forward, the destination as it is being written (:func:`same_as_written`).
+       Index arguments (``Tensor?[]`` of ``index_put_``) are ordinary inputs.
+    2. **Anything else is a side effect**: a write to a region input, a parameter, a
+       saved value (a policy save, a side effect's output), an output of an op that
+       aliases its input without saying so, or a write whose value autograd holds. The
+       op runs once and its outputs are saved. Before it runs, every value ac2 holds by
+       reference on the written *storage* -- whichever alias is written: the tensor, its
+       view, its base, a sibling view -- and that a recorded recomputable op read, is
+       copied (``Saved.snapshot``): the replay of that reader needs the bytes it read
+       (:class:`HeldStorages`).
+    3. **After a write, aliases of the written storage are stale** (views share their
+       base's version counter). A later read of a stale *view* whose base is a current
+       value of the region is recorded as ``as_strided`` of that base
+       (:func:`stale_view`): replayed from the base's value after the write, not kept.
+       Any other stale tensor becomes a saved boundary value, held as a detached alias
+       when the region made it (holding the tensor itself would make a cycle through its
+       ``grad_fn``: Note [Saved values are version-checked references] in _graph.py).
+
+    Tensors Python makes outside the dispatcher and hands to an op -- a literal
+    ``torch.tensor([...])``, the 0-d tensor a scalar becomes in ``buf[i] = 0.5`` --
+    reach the tracer through ``aten.lift_fresh``; a small one on the CPU is remembered
+    by value, as the program's own code remembers the literal (:func:`literal`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._nodes import Saved
+
+if TYPE_CHECKING:
+    from ._nodes import Node
+
+_Tensor = torch.Tensor
+_AS_STRIDED = torch.ops.aten.as_strided.default
+_LIFT_FRESH = (torch.ops.aten.lift_fresh.default,)
+#: The largest literal remembered by value (bytes): an index list, a routing table of a
+#: few experts, a scalar. Larger ones are kept as tensors (region inputs).
+LITERAL_MAX_BYTES = 4096
+
+
+def storage_key(t: torch.Tensor) -> int | None:
+    """An identity of ``t``'s storage (its StorageImpl's address, stable while any tensor
+    on it lives), or None for tensors without one (wrapper subclasses, sparse)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None
+
+
+def _by_reference(s: Any) -> bool:
+    """A saved value that is a tensor sharing the original's storage (not a copy, an
+    offloaded value or a packed one)."""
+    return type(s) is Saved and s.hooks is None and s.device is None and not s.offloaded
+
+
+class HeldStorages:
+    """The values a graph holds by reference, found by storage when something writes.
+
+    Note [Held values are found by storage]
+        A write through any alias changes the bytes of every tensor on the written
+        storage. A value ac2 holds for a replay (a region input, a parameter, a policy
+        save, a side effect's output, a boundary value) may be any of those tensors; the
+        written tensor need not be the one the graph holds. So the tracer lists each
+        held value when it is made (a weak reference to its node: a value nobody needs
+        any more is still freed in forward), and the first write after that files it
+        under its storage (``storage_key``); a write then copies the held values on the
+        written storage that a recorded recomputable op read (their replays need the old
+        bytes). Regions that write nothing pay one list append per held value.
+        The list lives for forward only (``Graph.close_map`` drops it).
+    """
+
+    __slots__ = ("_new", "_by_storage")
+
+    def __init__(self) -> None:
+        self._new: list[tuple[weakref.ref, int]] = []
+        self._by_storage: dict[int, list[tuple[weakref.ref, int]]] = {}
+
+    def add(self, node: Node, idx: int) -> None:
+        self._new.append((weakref.ref(node), idx))
+
+    def _file(self) -> None:
+        by_storage = self._by_storage
+        for entry in self._new:
+            node = entry[0]()
+            if node is None or node.saved is None:
+                continue
+            s = node.saved[entry[1]]
+            if _by_reference(s):
+                key = storage_key(s.value)
+                if key is not None:
+                    by_storage.setdefault(key, []).append(entry)
+        self._new = []
+
+    def before_write(self, written: Any) -> None:
+        """Copy the held values on the storages of ``written`` (tensors about to be
+        written) that a replay reads (Note [Held values are found by storage])."""
+        if self._new:
+            self._file()
+        if not self._by_storage:
+            return
+        for t in written:
+            key = storage_key(t)
+            entries = self._by_storage.get(key) if key is not None else None
+            if not entries:
+                continue
+            keep = []
+            for entry in entries:
+                node = entry[0]()
+                if node is None or node.saved is None:
+                    continue
+                s = node.saved[entry[1]]
+                if not _by_reference(s) or storage_key(s.value) != key:
+                    continue  # copied already (or replaced): no longer on this storage
+                if node.readers:
+                    s.snapshot()
+                else:
+                    keep.append(entry)
+            self._by_storage[key] = keep
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """``t`` covers its elements' memory without gaps or overlaps (a clone keeps its
+    strides: ``torch.preserve_format``)."""
+    expected = 1
+    for stride, size in sorted(zip(t.stride(), t.size())):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _plain_strided(t: torch.Tensor) -> bool:
+    return (
+        t.layout is torch.strided and type(t) in (_Tensor, torch.nn.Parameter)
+        and not t.is_conj() and not t.is_neg() and not t.is_quantized
+    )
+
+
+def stale_view(graph: Any, t: torch.Tensor, fqn: str) -> tuple[Node, int] | None:
+    """``t`` is a view whose map entry is stale (its storage was written since): record
+    it as ``as_strided`` of its base's current value and return that node output, or
+    None when that is not exact (Note [Writes inside a region], 3)."""
+    base = t._base
+    if base is None or not _plain_strided(t) or not _plain_strided(base) or t.dtype != base.dtype:
+        return None
+    e = graph.map.get(base)
+    if e is None or (e.version is not None and e.version != base._version):
+        return None
+    # The replayed base must have the forward base's layout in its storage: a fresh
+    # output or a copy of one (Note [A replayed write owns its storage] in _replayer.py).
+    if base.storage_offset() != 0 or not _dense(base) or storage_key(t) != storage_key(base):
+        return None
+    m, j = e.node, e.idx
+    m.readers += 1
+    m.viewed = True
+    m.viewers += 1
+    node = graph.new_node(
+        _AS_STRIDED, 1, fqn, (0, m, j), (None, tuple(t.size()), tuple(t.stride()), t.storage_offset()),
+    )
+    graph.map.set(t, node, 0, t._version)
+    return node, 0
+
+
+class Literal:
+    """A saved value remembered by its bytes: a small CPU tensor Python made outside the
+    dispatcher (Note [Writes inside a region]). Each read makes a new tensor with the
+    same dtype, shape and bytes. Duck-types :class:`~ac2_dist._nodes.Saved`."""
+
+    __slots__ = ("data", "dtype", "shape")
+    value = hooks = device = version = counter = meta = None
+    detached = allow_mutation = offloaded = False
+    reason, nbytes, owner = "boundary", 0, "literal tensor made by Python in the region"
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.data = bytes(t.untyped_storage())[t.storage_offset() * t.element_size():][: t.nbytes]
+        self.dtype = t.dtype
+        self.shape = tuple(t.shape)
+
+    def snapshot(self) -> None:
+        return None  # already a copy
+
+    def get(self) -> torch.Tensor:
+        if not self.data:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.frombuffer(bytearray(self.data), dtype=self.dtype).reshape(self.shape)
+
+
+def literal(func: Any, args: tuple) -> torch.Tensor | None:
+    """The tensor ``func`` lifts if it is a literal Python made (``aten.lift_fresh`` of a
+    tensor the map does not know) small enough to remember by value, else None."""
+    if func not in _LIFT_FRESH or not args:
+        return None
+    t = args[0]
+    if (
+        not isinstance(t, _Tensor) or t.device.type != "cpu" or not _plain_strided(t) or t.requires_grad
+        or t._base is not None or not t.is_contiguous() or t.nbytes > LITERAL_MAX_BYTES
+    ):
+        return None
+    return t
+
+
+def same_as_written(written: Any, args: tuple, kwargs: dict, positions: tuple) -> tuple:
+    """Positions among ``args``/``kwargs`` (not the written ones) holding the written
+    tensor itself, or a tensor with its storage, offset, sizes, strides and dtype: the
+    replay passes them the written tensor (Note [Writes inside a region], 1)."""
+    found: tuple = ()
+    items = [(i, a) for i, a in enumerate(args)] + list(kwargs.items())
+    for pos, a in items:
+        if pos in positions or not isinstance(a, _Tensor):
+            continue
+        for w in written:
+            if a is w or (
+                a.dtype == w.dtype and a.size() == w.size() and a.stride() == w.stride()
+                and a.storage_offset() == w.storage_offset() and storage_key(a) == storage_key(w) is not None
+            ):
+                found += (pos,)
+                break
+    return found
