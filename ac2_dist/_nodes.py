@@ -135,16 +135,10 @@ class Saved:
             return self._unpacked()
         if self.device is not None:
             return self.value.to(self.device, non_blocking=True)
-        if self.version is not None and not self.allow_mutation:
+        if self.version is not None:
             now = (self.counter if self.counter is not None else self.value)._version
             if now != self.version:
-                raise RuntimeError(
-                    f"ac2_dist: a tensor saved for recompute ({self.owner}) was modified in place "
-                    f"after it was saved (version {self.version} -> {now}); the "
-                    "value backward needs is gone. Avoid the in-place op (or clone before it), or "
-                    "pass allow_cache_entry_mutation=True to the region if using the mutated "
-                    "value is intended."
-                )
+                raise RuntimeError(modified_error(self.owner, self.version, now))
         return self.value
 
     def _unpacked(self) -> torch.Tensor:
@@ -163,6 +157,31 @@ class Saved:
                 f"{device}. unpack must restore a tensor like the one pack received."
             )
         return t
+
+
+def modified_error(owner: str, then: int, now: int) -> str:
+    """The error for a held value modified where the tracer did not see the write.
+
+    Note [A held value modified out of sight]
+        ac2 copies what a replay still needs before every in-place write it records
+        (Note [Writes inside a region] in _writes.py), so a version change found at
+        backward is a write it did not see: after the region's forward (an optimizer
+        step, a user's ``add_`` between forward and backward), under inference mode, or
+        by code that ran with dispatch disabled. The bytes forward read are gone, and
+        gradients computed from the modified value would not be the forward's (eager
+        autograd raises in the same place when it saved the tensor itself). So it is an
+        error whatever ``allow_cache_entry_mutation`` says: that flag, which torch's
+        selective checkpoint uses to skip its check of in-region writes to cached
+        values, is accepted and not needed (in-region writes are exact here).
+    """
+    return (
+        f"ac2_dist: a tensor held for recompute ({owner}) was modified in place after the region "
+        f"recorded it (version {then} -> {now}), by a write ac2_dist did not record (after the region's "
+        "forward, under inference mode, or with dispatch disabled). The values forward read are gone, "
+        "and gradients computed from the modified tensor would not be the forward's, so backward stops "
+        "here (allow_cache_entry_mutation=True does not change this: writes inside a region are always "
+        "replayed exactly). Modify the tensor after backward, or modify a clone of it instead."
+    )
 
 
 class _Freed:

@@ -147,8 +147,14 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
             whose outputs are saved (everything else is recomputed).
         rng: ``"save"`` keeps the outputs of random ops; ``"replay"`` stashes the
             generator state per op and regenerates the same bits in backward.
-        allow_cache_entry_mutation: use a saved tensor even if it was modified in
-            place after being saved (default: raise an error on use).
+        allow_cache_entry_mutation: accepted for compatibility with torch's
+            checkpoint; changes nothing. In-place writes inside the region (to the
+            region's own values, its inputs, parameters, saved values, through any
+            view) are always replayed exactly: what a replay still needs is copied
+            before the write. A tensor held for recompute that is modified where
+            ac2_dist does not record it (after the region's forward, before backward)
+            raises on use either way, because gradients from the modified value
+            would not be the forward's.
         module_fqn: reported to policies as ``ctx.module_fqn``.
         replay: a :class:`ReplayConfig` (where replays run); default: inline on CPU,
             a CUDA side stream when this process uses CUDA.

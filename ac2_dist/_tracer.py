@@ -108,7 +108,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._graph import Graph
 from ._nodes import NO_KWARGS, Handle, MapEntry, Node, Saved, alias, flatten_outputs, version_of
 from ._policy import PolicyContext, _Frame, is_save, resolve
-from ._writes import literal, same_as_written
+from ._writes import literal, same_as_written, stale_view
 from .compile import COMPILER_STATE as _COMPILER
 from .compile import skip_dynamo as _skip_dynamo
 from .replay import default_generator
@@ -300,6 +300,7 @@ class Tracer(TorchDispatchMode):
             if info.accumulators:  # Note [Statistics an op accumulates] (side_effects.py)
                 accum = info.accumulates(args)
             elif info.declared_writes and info.side_effect is _MUTATION and not info.written_lists:
+                self._refresh_stale_views(written, inner)
                 fresh = self._fresh(written)
                 if not fresh and len(written) == 1:  # Note [Writes through views of fresh tensors]
                     via = self._written_view(written, args, kwargs)
@@ -526,6 +527,17 @@ class Tracer(TorchDispatchMode):
         self._snapshot_read(written.values())
         self.graph.held.before_write(written.values())  # Note [Held values are found by storage] (_writes.py)
         return written
+
+    def _refresh_stale_views(self, written: dict[int, torch.Tensor], frame: _Frame) -> None:
+        """A written view that an earlier write through another alias made stale is
+        re-made from its base's current value first, so the write can be replayed
+        (Note [Writes inside a region] in _writes.py, 3)."""
+        gmap = self.graph.map
+        for t in written.values():
+            if t._is_view():
+                e = gmap.get(t)
+                if e is not None and e.version is not None and e.version != t._version:
+                    stale_view(self.graph, t, frame.module_fqn)
 
     def _fresh(self, written: dict[int, torch.Tensor]) -> bool:
         """Every written tensor is the current, unsaved output of an op of this region,

@@ -80,10 +80,16 @@ def storage_key(t: torch.Tensor) -> int | None:
         return None
 
 
-def _by_reference(s: Any) -> bool:
-    """A saved value that is a tensor sharing the original's storage (not a copy, an
-    offloaded value or a packed one)."""
-    return type(s) is Saved and s.hooks is None and s.device is None and not s.offloaded
+def _on_storage(s: Any) -> torch.Tensor | None:
+    """The tensor on the original's storage that a saved value holds: the value itself
+    when held by reference; an offloaded value's device tensor until its copy to the
+    host is done (Note [Offloaded values that are written] in offload.py); None for
+    copies and packed values."""
+    if type(s) is not Saved or s.hooks is not None or s.device is not None:
+        return None
+    if s.offloaded:
+        return s.value.device
+    return s.value
 
 
 class HeldStorages:
@@ -117,9 +123,9 @@ class HeldStorages:
             node = entry[0]()
             if node is None or node.saved is None:
                 continue
-            s = node.saved[entry[1]]
-            if _by_reference(s):
-                key = storage_key(s.value)
+            t = _on_storage(node.saved[entry[1]])
+            if t is not None:
+                key = storage_key(t)
                 if key is not None:
                     by_storage.setdefault(key, []).append(entry)
         self._new = []
@@ -142,7 +148,8 @@ class HeldStorages:
                 if node is None or node.saved is None:
                     continue
                 s = node.saved[entry[1]]
-                if not _by_reference(s) or storage_key(s.value) != key:
+                held = _on_storage(s)
+                if held is None or storage_key(held) != key:
                     continue  # copied already (or replaced): no longer on this storage
                 if node.readers:
                     s.snapshot()

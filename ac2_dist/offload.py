@@ -84,6 +84,8 @@ from typing import Any
 
 import torch
 
+from ._nodes import modified_error
+
 __all__ = ["Offload", "OffloadStats", "OffloadedTensor", "InlineCopies", "CudaCopies"]
 
 Log = Callable[[str, str], None]
@@ -264,17 +266,11 @@ class OffloadedTensor:
 
     def _check_version(self) -> None:
         """Mark the value stale if its device tensor was written since it was saved."""
-        if self.version is None or self.allow_mutation or self.device is None:
+        if self.version is None or self.device is None:
             return
         now = (self.counter if self.counter is not None else self.device)._version
-        if now != self.version:
-            self.stale = (
-                f"ac2_dist: a tensor offloaded to the CPU ({self.owner}) was modified in place after it was "
-                f"saved and before its copy to the host was waited for (version {self.version} -> {now}); "
-                "the value backward needs is gone. Avoid the in-place op (or clone before it), save it "
-                "with MUST_SAVE instead of offloading it, or pass allow_cache_entry_mutation=True to the "
-                "region if using the mutated value is intended."
-            )
+        if now != self.version:  # Note [A held value modified out of sight] (_nodes.py)
+            self.stale = modified_error(f"{self.owner}, offloaded to the CPU", self.version, now)
 
     def before_write(self) -> None:
         """The device tensor is about to be written in place while replays still need its
