@@ -270,3 +270,28 @@ def test_fsdp2_with_hf_enable_matches_no_ac_losses():
     for rank, r in enumerate(results):
         print(f"\n  rank {rank}: losses ac2 {r['ac2']} no AC {r['none']}")
         assert r["ac2"] == r["none"]
+
+
+def test_model_code_calling_torchs_checkpoint_is_named_and_not_claimed():
+    """CLVP's conditioning encoder calls torch.utils.checkpoint.checkpoint in its own
+    forward: hf.enable cannot reach those calls. It warns naming the module, and
+    is_enabled does not claim the model is ac2's while they are on."""
+    cfg = T.ClvpConfig()
+    for c in (cfg.text_config, cfg.speech_config):
+        c.hidden_size, c.intermediate_size, c.num_attention_heads, c.projection_dim = 32, 64, 2, 16
+        c.num_hidden_layers = 1
+    cfg.decoder_config.hidden_size, cfg.decoder_config.num_attention_heads = 32, 2
+    cfg.decoder_config.num_hidden_layers = 1
+    model = T.ClvpModelForConditionalGeneration(cfg)
+    with pytest.warns(UserWarning, match=r"conditioning_encoder.*stay torch's checkpoint"):
+        hf.enable(model)
+    assert hf.torch_checkpointed(model) == ["conditioning_encoder"]
+    assert not hf.is_enabled(model)
+    hf.disable(model)
+    assert hf.torch_checkpointed(model) == []
+
+    llama = _llama(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning for a model HF's switch reaches fully
+        hf.enable(llama)
+    assert hf.is_enabled(llama) and hf.torch_checkpointed(llama) == []

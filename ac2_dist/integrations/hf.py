@@ -35,6 +35,16 @@ Note [A second switch keeps ac2]
     ``every_n_layers``) and warns once per model; :func:`disable` removes it. A Trainer
     that should choose the policy uses ``integrations.torch_checkpoint`` instead.
 
+Note [Model code that calls torch's checkpoint itself]
+    A few models call ``torch.utils.checkpoint.checkpoint`` in their own forward instead
+    of through HF's ``_gradient_checkpointing_func`` (CLVP's conditioning encoder,
+    Grounding DINO's encoder layers). HF's switch turns those calls on too, and
+    :func:`enable` cannot give them ac2's function: they stay torch's checkpoint. So
+    :func:`enable` warns once naming them, :func:`torch_checkpointed` lists them, and
+    :func:`is_enabled` is False while any is on (it says that every checkpointed call
+    of the model is ac2's). ``integrations.torch_checkpoint.enable(...)`` routes those
+    calls to ac2 as well (it patches torch's entry points for the process).
+
 Note [What users hold]
     ``peft.get_peft_model`` returns a ``PeftModel`` around the ``PreTrainedModel``; HF's
     own switch works on it (attribute forwarding), so :func:`enable`, :func:`disable` and
@@ -48,12 +58,13 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import transformers
 
 from .._dropin import checkpoint_with, is_ac2_checkpoint
 from .._policy import PolicyLike, PolicySource
 
-__all__ = ["enable", "disable", "is_enabled"]
+__all__ = ["enable", "disable", "is_enabled", "torch_checkpointed"]
 
 _SWITCHES = ("activation_checkpointing_enable", "gradient_checkpointing_enable",
              "activation_checkpointing_disable", "gradient_checkpointing_disable")
@@ -132,6 +143,15 @@ def enable(
         current = hf_model.__dict__.get(name)
         if hasattr(type(hf_model), name) and (current is None or isinstance(current, _KeepAc2)):
             hf_model.__dict__[name] = _KeepAc2(hf_model, func, name)
+    direct = torch_checkpointed(hf_model)
+    if direct:  # Note [Model code that calls torch's checkpoint itself]
+        warnings.warn(
+            f"ac2_dist.integrations.hf.enable: {type(hf_model).__name__} checkpoints some modules by calling "
+            f"torch.utils.checkpoint.checkpoint in their own forward ({', '.join(direct)}); those calls stay "
+            "torch's checkpoint (hf.is_enabled(model) is False while they are on). To run them with ac2 too, "
+            "use ac2_dist.integrations.torch_checkpoint.enable(policy=...) instead of hf.enable.",
+            UserWarning, stacklevel=2,
+        )
     return model
 
 
@@ -197,9 +217,38 @@ def disable(model: Any) -> Any:
 
 
 def is_enabled(model: Any) -> bool:
-    """Whether some layer of ``model`` is checkpointed by ac2 through HF."""
+    """Whether ``model``'s checkpointing is ac2's: some layer is checkpointed by ac2
+    through HF, and no module with checkpointing on calls torch's checkpoint itself
+    (:func:`torch_checkpointed`; Note [Model code that calls torch's checkpoint itself])."""
     model = _hf_model(model, "is_enabled")
     return any(
         getattr(m, "gradient_checkpointing", False) and is_ac2_checkpoint(m.__dict__.get("_gradient_checkpointing_func"))
         for m in model.modules()
-    )
+    ) and not torch_checkpointed(model)
+
+
+def torch_checkpointed(model: Any) -> list[str]:
+    """Names of the modules of ``model`` whose checkpointing is on and whose forward
+    calls ``torch.utils.checkpoint.checkpoint`` itself: :func:`enable` does not reach
+    those calls, they run torch's checkpoint (Note [Model code that calls torch's
+    checkpoint itself]). Empty for most models."""
+    model = _hf_model(model, "torch_checkpointed")
+    found = []
+    for name, m in model.named_modules():
+        if getattr(m, "gradient_checkpointing", False) is True and _calls_torch_checkpoint(type(m)):
+            found.append(name or type(m).__name__)
+    return found
+
+
+def _calls_torch_checkpoint(cls: type) -> bool:
+    """``cls.forward`` reads ``torch.utils.checkpoint.checkpoint`` (an attribute chain or
+    a name imported from there), rather than HF's ``_gradient_checkpointing_func``."""
+    forward = getattr(cls, "forward", None)
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return False
+    names = code.co_names
+    if "checkpoint" not in names or "_gradient_checkpointing_func" in names:
+        return False
+    module_globals = getattr(forward, "__globals__", {})
+    return "utils" in names or module_globals.get("checkpoint") is torch.utils.checkpoint.checkpoint
