@@ -222,6 +222,7 @@ class Tracer(TorchDispatchMode):
         self.replaying = state.replaying
         self.ctx = ctx
         self.probe = _CollectiveProbe()
+        self._made_by: dict[int, Any] = {}  # of the write being recorded (_before_writes)
 
     @_skip_dynamo
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: C901 - hot path
@@ -290,13 +291,8 @@ class Tracer(TorchDispatchMode):
         writes = info.written and info.writes(args)
         fresh = accum = False
         written = via = None
-        made_before: dict = {}
         if writes:
             written = self._before_writes(info, args, kwargs)
-            for t in written.values():  # which written tensors the region made (error names, leaves)
-                e = self.graph.map.get(t)
-                if e is not None and e.node.op is not None:
-                    made_before[id(t)] = e.node.op
             if info.accumulators:  # Note [Statistics an op accumulates] (side_effects.py)
                 accum = info.accumulates(args)
             elif info.declared_writes and info.side_effect is _MUTATION and not info.written_lists:
@@ -459,7 +455,7 @@ class Tracer(TorchDispatchMode):
             returned = {id(o) for o in flat if isinstance(o, _Tensor)}
             for t in written.values():
                 if id(t) not in returned:
-                    made = made_before.get(id(t))
+                    made = self._made_by.get(id(t))
                     owner = (f"value made in the region by {made}, then written by {func}" if made
                              else f"tensor written by {func}")
                     graph.leaf(t, _CP.MUST_SAVE, "side_effect", inner.allow_mutation, owner, t._version + bump,
@@ -516,12 +512,17 @@ class Tracer(TorchDispatchMode):
         """The tensors this op writes (by id); snapshot held values replays still need
         (Note [Versions of written tensors])."""
         written: dict[int, torch.Tensor] = {}
+        made_by = self._made_by = {}  # id -> op that made a written tensor (error names, leaves)
+        gmap = self.graph.map
         for pos in info.written:
             stack = [args[pos] if type(pos) is int and pos < len(args) else kwargs.get(pos)]
             while stack:  # a tensor, a list of tensors or (allgather_) a list of lists
                 w = stack.pop()
                 if isinstance(w, _Tensor):
                     written[id(w)] = w
+                    e = gmap.get(w)
+                    if e is not None and e.node.op is not None:
+                        made_by[id(w)] = e.node.op
                 elif isinstance(w, (list, tuple)):
                     stack.extend(w)
         self._snapshot_read(written.values())
