@@ -59,6 +59,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from ._graph import Graph
+from ._streams import StreamBackend
 from .offload import Offload
 
 _NULL = contextlib.nullcontext()
@@ -162,11 +163,13 @@ class ReplayConfig:
             return self.prefetch
         return 1 if on_cuda else 0
 
-    def executor(self, thread_state: Any, on_cuda: bool) -> InlineExecutor:
-        if self.stream in ("inline", None) or not on_cuda:
+    def executor(self, thread_state: Any, streams: StreamBackend | None) -> InlineExecutor:
+        """The executor of one region's graph; ``streams``: the region's stream backend,
+        None on CPU (Note [Stream backends] in _streams.py)."""
+        if self.stream in ("inline", None) or streams is None:
             return InlineExecutor(thread_state)
         stream = self.stream if _is_stream(self.stream) else None
-        return SideStreamExecutor(thread_state, stream)
+        return SideStreamExecutor(thread_state, streams, stream)
 
 
 DEFAULT_CONFIG = ReplayConfig()
@@ -257,13 +260,14 @@ class SideStreamExecutor(InlineExecutor):
 
     takes_existing = False  # values are handed over with the side stream's event
 
-    def __init__(self, thread_state: Any, stream: Any = None) -> None:
+    def __init__(self, thread_state: Any, streams: StreamBackend, stream: Any = None) -> None:
         super().__init__(thread_state)
+        self._streams = streams  # torch.cuda, or the test suite's simulation (_streams.py)
         self._stream = stream
 
     def _side(self) -> Any:
         if self._stream is None:
-            self._stream = torch.cuda.Stream()
+            self._stream = self._streams.new_stream()
         return self._stream
 
     def realize(self, graph: Graph, node: Node, idx: int) -> Any:
@@ -271,16 +275,18 @@ class SideStreamExecutor(InlineExecutor):
         return self.hand_over(value, ready)
 
     def prefetch(self, graph: Graph, node: Node, idx: int) -> tuple[Any, Any]:
+        streams = self._streams
         side = self._side()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), trace_range("ac2::replay"):
+        side.wait_stream(streams.current_stream())
+        with streams.use(side), trace_range("ac2::replay"):
             value = self._realize(graph, node, idx)
         return value, side.record_event()
 
     def hand_over(self, value: Any, ready: Any) -> Any:
-        consumer = torch.cuda.current_stream()
+        streams = self._streams
+        consumer = streams.current_stream()
         if ready is not None:
             consumer.wait_event(ready)
-        if isinstance(value, torch.Tensor) and value.is_cuda:
-            value.record_stream(consumer)
+        if isinstance(value, torch.Tensor) and streams.on_device(value):
+            streams.record_stream(value, consumer)
         return value

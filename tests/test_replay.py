@@ -26,9 +26,9 @@ def _loss(model, tokens):
     return F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
 
 
-def _run(prefetch, tokens, log=None, sample=None):
+def _run(prefetch, tokens, log=None, sample=None, stream="inline"):
     model = _model()
-    ac.apply_ac(model, "recompute_all", modules=[LlamaBlock], replay=ac.ReplayConfig(stream="inline", prefetch=prefetch, log=log))
+    ac.apply_ac(model, "recompute_all", modules=[LlamaBlock], replay=ac.ReplayConfig(stream=stream, prefetch=prefetch, log=log))
     with ac.memory.track(model) as tracker:
         if sample is not None:
             sample.graphs = tracker.graphs
@@ -70,12 +70,19 @@ def _order_holds(events: _Sampler, depth: int) -> None:
             assert events.events.index(("prefetch_end", prev), start) < events.index("backward_end", f"layers.{i}")
 
 
+@pytest.mark.parametrize("streams", ["inline", "simulated"])
 @pytest.mark.parametrize("depth", [1, 2])
-def test_prefetch_order_grads_and_memory_bound(depth):
+def test_prefetch_order_grads_and_memory_bound(depth, streams, request):
+    """``streams="simulated"``: replays on the side stream under the simulated CUDA
+    (tests/_simcuda.py), which fails the test on a stream hazard."""
+    sim = request.getfixturevalue("simcuda") if streams == "simulated" else None
     tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
     ref, base = _run(0, tokens)
     sampler = _Sampler()
-    got, tracker = _run(depth, tokens, log=sampler, sample=sampler)
+    got, tracker = _run(depth, tokens, log=sampler, sample=sampler, stream="inline" if sim is None else "auto")
+    if sim is not None:
+        assert all(type(g.executor).__name__ == "SideStreamExecutor" for g in tracker.graphs)
+        sim.check()
     assert_bitwise(ref, got)
     _order_holds(sampler, depth)
     # At most the current unit's and the prefetched units' recomputed values are alive
