@@ -594,7 +594,9 @@ class Graph(Replayer):
         return False
 
     def _saved_value(self, node: Node, idx: int) -> Any:
-        """A saved value for a replay or an unpack (unsharding its FSDP unit first)."""
+        """A saved value for a replay or an unpack (unsharding its FSDP unit first), made
+        safe to read on the executor's stream (Note [Tensors that cross streams] in
+        replay.py)."""
         s = node.saved[idx]
         if node.fsdp_unit is not None:
             triggered = ensure_unsharded(node.fsdp_unit)
@@ -608,7 +610,12 @@ class Graph(Replayer):
                 "Use policy 'recompute_all' (and rng='replay' for random ops) for a region "
                 "you differentiate twice, so every value is recomputed from the region inputs."
             )
-        return s.get()
+        v = s.get()
+        guard = self.executor.guard_read
+        if guard is not None:
+            guard(v)
+        return v
+
     @skip_dynamo
     def unpack(self, h: Handle) -> Any:
         """The saved-tensor unpack hook of the region (its pack hook is :meth:`pack`)."""

@@ -1,4 +1,4 @@
-"""Asynchronous selective CPU offload of saved activations (CONTRACT §14).
+"""Asynchronous selective CPU offload of saved activations.
 
 A value a policy offloads (``CheckpointPolicy.MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD``,
 or ``tag_with_policy`` with one of them) is copied to host memory and brought back
@@ -48,7 +48,12 @@ Note [The offload schedule]
     but not waited for when backward first reads it (the last ``defer`` - 1 before
     it) is *kept* too: its device tensors serve backward and its buffers return to
     the pool at once. So the last block is never offloaded, without knowing the
-    number of blocks.
+    number of blocks. A kept block's device tensors were allocated on the compute
+    stream and die with their records (the value's last use, its graph) with no wait
+    for the streams that read them: the copy stream's reads are ``record_stream``-ed
+    when the block is kept (or when a record dies before its copies were waited for),
+    a side-stream replay's when it reads the value (Note [Tensors that cross
+    streams] in replay.py).
 
 Note [Pinned buffer pool]
     Pinning host memory costs milliseconds per allocation (``cudaHostAlloc``), which
@@ -349,7 +354,9 @@ class OffloadedTensor:
     def __del__(self) -> None:
         try:
             if self.device is not None and self.copied and self.unit.state == _COPIED:
-                self.unit.engine.guard(self.device)  # died before its copy was waited for
+                # Died before its copy was waited for. (A side-stream replay that read a
+                # kept block's tensor guarded it then: Note [Tensors that cross streams].)
+                self.unit.engine.guard(self.device)
             self.release_host(self.last_read if self.last_read is not None else self.unit.copied_event)
         except Exception:  # interpreter shutdown: nothing left to release into
             pass
