@@ -17,6 +17,19 @@ Note [Stream backends]
     A region picks its backend once, when it is installed (:func:`region_streams`);
     its executor and its offload block keep it, so backward -- on whatever thread
     autograd runs it -- uses what forward chose.
+
+Note [One side stream per device]
+    Replays run on a side stream (``ReplayConfig(stream="auto")``). Every CUDA stream
+    costs memory that is not given back while the process lives: torch caches a cuBLAS
+    workspace per (handle, stream) -- 32 MiB on an H100 -- and the caching allocator
+    keeps a pool of blocks per stream. So the side stream is made once per device and
+    per thread that runs backward (:meth:`StreamBackend.side_stream`) and reused by
+    every graph of every step. Autograd runs a CUDA backward on one worker thread per
+    device, so a training loop has one replay side stream per GPU, made by its first
+    backward; it lives as long as that thread (the cache is the backend's thread-local
+    state), which for autograd's device threads is the process. A ``torch.cuda.Stream``
+    passed as ``ReplayConfig(stream=...)`` is used as given. An ``Offload`` makes its
+    own copy stream when it first copies and keeps it for the Offload's lifetime.
 """
 
 from __future__ import annotations
@@ -34,7 +47,23 @@ __all__ = ["StreamBackend", "CudaStreams", "CUDA", "region_streams", "simulate",
 
 
 class StreamBackend(abc.ABC):
-    """The stream operations of a device (Note [Stream backends])."""
+    """The stream operations of a device (Note [Stream backends]). Subclasses give the
+    device's operations; the side-stream cache is the same for all of them."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()  # per thread: {device index: side stream}
+
+    def side_stream(self) -> Any:
+        """This thread's replay side stream on the current device, made at its first
+        use and reused after that (Note [One side stream per device])."""
+        cache = getattr(self._local, "side", None)
+        if cache is None:
+            cache = self._local.side = {}
+        index = self.device_index()
+        stream = cache.get(index)
+        if stream is None:
+            stream = cache[index] = self.new_stream()
+        return stream
 
     @abc.abstractmethod
     def on_device(self, t: torch.Tensor) -> bool:
@@ -101,7 +130,8 @@ def record_stream(t: torch.Tensor, stream: Any) -> None:
         t.record_stream(stream)
 
 
-#: The backend of CUDA tensors.
+#: The backend of CUDA tensors. Its only state is the per-thread side-stream cache
+#: (Note [One side stream per device]).
 CUDA = CudaStreams()
 
 

@@ -152,7 +152,12 @@ class ReplayConfig:
 
     Args:
         stream: ``"auto"`` (a side stream on CUDA, inline on CPU), ``"inline"``, or a
-            ``torch.cuda.Stream`` to replay on.
+            ``torch.cuda.Stream`` to replay on. The ``"auto"`` side stream is made once
+            per device and per thread that runs backward (autograd's CUDA worker: one
+            per GPU), at the first replay, and reused by every region and every step
+            until the thread ends -- for autograd's worker threads, until the process
+            does: each CUDA stream keeps a cuBLAS workspace and an allocator pool of
+            its own.
         prefetch: how many checkpointed modules ahead backward replays are run when a
             module's backward starts (0, 1 or 2). ``None``: 1 on CUDA, 0 on CPU. Only
             modules checkpointed with ``apply_ac`` / ``wrap`` are prefetched (the order
@@ -285,7 +290,9 @@ class InlineExecutor:
 
 
 class SideStreamExecutor(InlineExecutor):
-    """Runs replays on a CUDA side stream.
+    """Runs replays on a CUDA side stream: the one given, or the side stream of the
+    device and the thread that runs backward, made once and shared by every graph and
+    every step (Note [One side stream per device] in _streams.py).
 
     The side stream first waits for the consuming stream (replay inputs may have been
     produced there); the consumer then waits on an event recorded after the replay.
@@ -310,8 +317,8 @@ class SideStreamExecutor(InlineExecutor):
             self._streams.record_stream(value, self._side())
 
     def _side(self) -> Any:
-        if self._stream is None:
-            self._stream = self._streams.new_stream()
+        if self._stream is None:  # this thread's, shared by every graph and step
+            self._stream = self._streams.side_stream()
         return self._stream
 
     def realize(self, graph: Graph, node: Node, idx: int) -> Any:

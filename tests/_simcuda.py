@@ -214,6 +214,7 @@ class SimCuda(_streams.StreamBackend):
     thread that runs the model: ``with SimCuda() as sim: ...; sim.check()``."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._lock = threading.RLock()
         self.stats = SimStats()
         self.default = SimStream(self, 0, "default")

@@ -157,3 +157,20 @@ def test_hf_swin_stages_and_layers_with_cuda_defaults(simcuda):
     assert ("prefetch_end", "encoder.layers.0") in events  # stage 0 was prefetched by stage 1's backward
     simcuda.check()
     assert simcuda.stats.cross_stream_uses > 0
+
+
+def test_one_side_stream_per_thread_and_backend():
+    """Note [One side stream per device]: a backend's side stream is made once per thread
+    (autograd's CUDA worker: once per device) and per backend object, not per call."""
+    import threading
+
+    from _simcuda import SimCuda
+
+    a, b = SimCuda(), SimCuda()
+    assert a.side_stream() is a.side_stream()
+    assert b.side_stream() is not a.side_stream()
+    other: list = []
+    t = threading.Thread(target=lambda: other.append(a.side_stream()))
+    t.start()
+    t.join()
+    assert other[0] is not a.side_stream() and a.stats.streams_created == 2
