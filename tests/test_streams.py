@@ -67,16 +67,18 @@ needs_offload_policy = pytest.mark.skipif(
 
 
 @needs_offload_policy
+@pytest.mark.parametrize("copies", ["auto", "inline"])
 @pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("defer", [1, 2])
-def test_offload_schedule_frees_nothing_unsynchronised(simcuda, defer, prefetch):
+def test_offload_schedule_frees_nothing_unsynchronised(simcuda, defer, prefetch, copies):
     """Issue 39 item 2, offload: with defer >= 2 a kept block other than the last is read
     by the side-stream prefetch, and its device tensors (allocated on the compute stream)
     died in OffloadedTensor.__del__ unguarded. Copies on the Offload's own stream, replays
-    on the side stream, two steps (the second reuses the pinned pool)."""
+    on the side stream, two steps (the second reuses the pinned pool); ``copies="inline"``:
+    device->host copies on the compute stream."""
     tokens = _tokens()
     eager = _grads(_model(), tokens)
-    offload = ac.Offload(defer=defer)
+    offload = ac.Offload(defer=defer, stream=copies)
     model = ac.apply_ac(_model(), _offload_mm, modules=[LlamaBlock],
                        replay=ac.ReplayConfig(prefetch=prefetch, offload=offload))
     for _ in range(2):
@@ -87,6 +89,60 @@ def test_offload_schedule_frees_nothing_unsynchronised(simcuda, defer, prefetch)
     assert stats.d2h_copies > 0 and stats.h2d_copies > 0 and stats.buffers_reused > 0
     assert simcuda.stats.cross_stream_uses > 0
     assert simcuda.stats.unsynchronised_frees == 0 and simcuda.stats.unordered_accesses == 0
+
+
+class _MaskedBlock(torch.nn.Module):
+    """A random op whose output (saved: rng="save") only a replayed op reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 16)
+        self.fc2 = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        keep = torch.rand_like(h) > 0.3
+        return x + self.fc2(torch.tanh(torch.where(keep, h, 0.0)))
+
+
+def test_saved_random_outputs_read_on_the_side_stream(simcuda):
+    """A saved value that is not a policy's: a random op's output (rng="save"), read by a
+    side-stream replay (the comparison the mask comes from) and dropped at its last use
+    inside the prefetch of the block before."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(*[_MaskedBlock() for _ in range(3)])
+    model = ac.apply_ac(copy.deepcopy(eager), "recompute_all", modules=[_MaskedBlock])
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    ref, got = [], []
+    for m, out in ((eager, ref), (model, got)):
+        torch.manual_seed(2)  # the same masks
+        xi = x.clone().requires_grad_()
+        m(xi).square().sum().backward()
+        out.extend([p.grad for p in m.parameters()] + [xi.grad])
+    assert_bitwise(ref, got)
+    simcuda.check()
+    assert simcuda.stats.guarded_by_record_stream > 0
+
+
+def test_side_effects_under_side_stream_replays(simcuda):
+    """Batch norm's running-statistics update and an in-place ReLU are side effects the
+    replays do not re-run; with replays on the side stream the gradients and the
+    statistics are eager's bit for bit, with no stream hazard."""
+    from _models import ConvBN
+
+    torch.manual_seed(0)
+    eager = ConvBN()
+    model = ac.apply_ac(copy.deepcopy(eager), "recompute_all", replay=ac.ReplayConfig(prefetch=1))
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    ref, got = [], []
+    for m, out in ((eager, ref), (model, got)):
+        xi = x.clone().requires_grad_()
+        m(xi).square().sum().backward()
+        out.extend([p.grad for p in m.parameters()] + [xi.grad])
+    assert_bitwise(ref, got)
+    assert_bitwise(list(eager.buffers()), list(model.buffers()))  # running statistics updated once
+    simcuda.check()
+    assert simcuda.stats.cross_stream_uses > 0
 
 
 @pytest.mark.parametrize("policy", ["recompute_all", "offload_mm"])
