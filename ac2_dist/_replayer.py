@@ -114,7 +114,7 @@ class Replayer:
 
         It holds every value it reads itself, from when it finds it until the last node
         of the replay that reads it has run (Note [A private replay holds what it
-        reads] in _graph.py): values of the graph that exist when it plans, read then;
+        reads]): values of the graph that exist when it plans, read then;
         saved values, read at their first use; its own intermediates and the outputs of
         the cut nodes it fills, as they are computed. So it holds its live frontier,
         not every value it computed, and never re-reads the graph for a value that a

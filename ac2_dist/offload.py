@@ -464,8 +464,9 @@ class Offload:
         defer: the wait for block i's device->host copies happens when block
             i+``defer`` closes (1, 2, ...): how many blocks' forward the copies may
             overlap; at most ``defer`` + 1 blocks' offloaded values stay on the device.
-        stream: ``"auto"`` (CUDA tensors: copies on a side stream of this Offload; CPU
-            tensors are saved by reference, nothing to offload them to),
+        stream: ``"auto"`` (CUDA tensors: copies on a side stream of this Offload, made
+            when it first copies and kept for its lifetime; CPU tensors are saved by
+            reference, nothing to offload them to),
             ``"inline"`` (copies on the current stream; CPU tensors too, into ordinary
             host buffers: the schedule's CPU test mode) or a ``torch.cuda.Stream``.
         log: called as ``log(event, block_fqn)`` for ``open`` / ``close`` (a block's

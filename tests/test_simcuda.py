@@ -135,3 +135,37 @@ def test_outside_the_simulation_cpu_regions_replay_inline():
     with ac.apply_ac_policy("recompute_all") as region:
         x.sin().sum()
     assert type(region.graph.executor).__name__ == "InlineExecutor"
+
+
+@pytest.mark.parametrize("broken,kind", [
+    ("guard_read", "unsynchronised cross-stream free"),  # issue 39 item 2: the code before the fix
+    ("record_stream", "unsynchronised cross-stream free"),
+    ("wait_event", "unordered access"),
+])
+def test_the_checker_catches_a_side_stream_executor_missing_a_guard(monkeypatch, broken, kind):
+    """Each guard of Note [Tensors that cross streams] taken out of the executor in turn:
+    the simulation fails the run (save the matmuls of 4 Llama blocks, CUDA defaults)."""
+    import torch.nn.functional as F
+    from models import Llama, LlamaBlock
+
+    from ac2_dist.replay import SideStreamExecutor
+
+    if broken == "guard_read":
+        monkeypatch.setattr(SideStreamExecutor, "_read_on_side", lambda self, value: None)
+    else:
+        def hand_over(self, value, ready):
+            consumer = self._streams.current_stream()
+            if broken != "wait_event":
+                consumer.wait_event(ready)
+            if broken != "record_stream" and isinstance(value, torch.Tensor):
+                self._streams.record_stream(value, consumer)
+            return value
+
+        monkeypatch.setattr(SideStreamExecutor, "hand_over", hand_over)
+    torch.manual_seed(0)
+    model = ac.apply_ac(Llama(vocab=64, dim=32, layers=4, heads=4), [torch.ops.aten.mm.default], modules=[LlamaBlock])
+    tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    with SimCuda() as sim:
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    with pytest.raises(AssertionError, match=kind):
+        sim.check()
