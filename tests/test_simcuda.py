@@ -122,11 +122,7 @@ def test_regions_take_the_simulation_for_cuda(simcuda):
         y = x.sin().tanh().sum()
     assert type(region.graph.executor).__name__ == "SideStreamExecutor"
     y.backward()
-    assert simcuda.stats.streams_created >= 1 and simcuda.stats.cross_stream_uses > 0
-    with ac.apply_ac_policy("recompute_all") as region:
-        x.sin().sum()
-    assert _streams.region_streams(False) is simcuda
-    assert _streams.region_streams(False) is not None
+    assert simcuda.stats.streams_created == 1 and simcuda.stats.cross_stream_uses > 0
 
 
 def test_outside_the_simulation_cpu_regions_replay_inline():
