@@ -96,11 +96,12 @@ Note [Nested modules cut the replay]
     value, and a cut node gets its value only when a consumer needs it, from a
     private replay of its module (:meth:`Graph._fill_cut`): the module's internal
     values computed on the way are dropped, only the cut outputs are kept (cached
-    with their pending uses). Backward of an outer region therefore holds the chain
-    of nested module outputs plus one module's internals, as torch's nested
-    checkpoint does, instead of every internal value of the outer region. The price
-    is torch's too: a nested module's ops run twice in backward (once for its output,
-    once for its own backward).
+    with their pending uses; the private replay itself holds what it reads: Note [A
+    private replay holds what it reads] in _replayer.py). Backward of an outer
+    region therefore holds the chain of nested module outputs plus one module's
+    internals, as torch's nested checkpoint does, instead of every internal value of
+    the outer region. The price is torch's too: a nested module's ops run twice in
+    backward (once for its output, once for its own backward).
 
 Note [One generator state per region]
     With ``rng="replay"`` the tracer stashes a generator's state once, before the
@@ -634,7 +635,9 @@ class Graph(Replayer):
         return False
 
     def _saved_value(self, node: Node, idx: int) -> Any:
-        """A saved value for a replay or an unpack (unsharding its FSDP unit first)."""
+        """A saved value for a replay or an unpack (unsharding its FSDP unit first), made
+        safe to read on the executor's stream (Note [Tensors that cross streams] in
+        replay.py)."""
         s = node.saved[idx]
         if node.fsdp_unit is not None:
             triggered = ensure_unsharded(node.fsdp_unit)
@@ -648,7 +651,12 @@ class Graph(Replayer):
                 "Use policy 'recompute_all' (and rng='replay' for random ops) for a region "
                 "you differentiate twice, so every value is recomputed from the region inputs."
             )
-        return s.get()
+        v = s.get()
+        guard = self.executor.guard_read
+        if guard is not None:
+            guard(v)
+        return v
+
     @skip_dynamo
     def unpack(self, h: Handle) -> Any:
         """The saved-tensor unpack hook of the region (its pack hook is :meth:`pack`)."""
@@ -723,9 +731,9 @@ class Graph(Replayer):
 
         Note [Deterministic prefetch order]
             Realizing handles may unshard FSDP units (a collective), so every walk that
-            can replay goes in pack order, which is the program's order and the same on
-            every rank (a WeakSet's iteration order follows memory addresses and
-            differs between ranks).
+            can replay goes in an order fixed by pack order (the program's order, the
+            same on every rank; the prefetch walks it backwards): a WeakSet's iteration
+            order follows memory addresses and differs between ranks.
 
         Note [Handles are weakly listed]
             The graph keeps a plain weak reference to each handle, appended at pack time
@@ -752,14 +760,21 @@ class Graph(Replayer):
 
     def prefetch(self) -> int:
         """Realize every handle not yet consumed in this backward and park the value
-        on it (Note [Prefetching the next unit's replay]). Returns how many."""
+        on it (Note [Prefetching the next unit's replay]). Returns how many.
+
+        Handles are walked in reverse pack order: the order autograd unpacks a chain
+        of layers in, so that the private replays of nested modules run as often as
+        without prefetch (in pack order a layer's output was needed again after its
+        readers had dropped it: recomputed once more per layer). Deterministic, as
+        Note [Deterministic prefetch order] asks; any order is correct (Note [A
+        private replay holds what it reads] in _replayer.py)."""
         task = torch._C._current_graph_task_id()
         if self.tracker is not None:
             self.tracker._on_unpack()  # a prefetch is backward work
         done = 0
         with self.lock:
             self.settle()
-            for h in self.live_handles():
+            for h in reversed(self.live_handles()):
                 if h.prefetched is not None or (h.consumed_task == task and h.taken >= h.count):
                     continue
                 if h.consumed_task is not None and h.consumed_task != task:

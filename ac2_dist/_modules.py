@@ -41,6 +41,7 @@ import torch.nn as nn
 from ._dropin import is_ac2_checkpoint
 from ._policy import PolicyLike, PolicySource
 from ._region import _thread_state, apply_ac_policy
+from ._streams import region_streams
 from .compile import (
     announce_eager_only,
     checkpoint_compiled,
@@ -190,7 +191,7 @@ def _link_for_prefetch(graph: Any, config: ReplayConfig, fqn: str, args: Any, kw
     """Note [Prefetching the next unit's replay] (replay.py), linked by data flow (Note
     [Prefetch follows data flow]): prefetch this unit's producers when its backward starts."""
     on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    depth = config.prefetch_depth(on_cuda)
+    depth = config.prefetch_depth(region_streams(on_cuda) is not None)  # Note [Stream backends] (_streams.py)
     log = config.log
     if depth == 0 and log is None:
         return

@@ -51,6 +51,7 @@ import torch
 
 from ._graph import Graph, GraphStats
 from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, PolicySource, _Frame, is_save
+from ._streams import region_streams
 from ._tracer import Tracer, pack_hook, track_what_the_graph_holds
 from .compile import (
     checkpoint_compiled,
@@ -234,11 +235,12 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
 
     def _install(self, st: _ThreadState) -> _Install:
         on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        graph = Graph(self._replay.executor(_thread_state, on_cuda), st.frames)
+        streams = region_streams(on_cuda)  # Note [Stream backends] (_streams.py)
+        graph = Graph(self._replay.executor(_thread_state, streams), st.frames)
         graph.save_unit_outputs = not self._module_region
         offload = self._replay.offload
-        if offload is not None and offload.applies(on_cuda):  # Note [The offload schedule] (offload.py)
-            graph.offload = offload.open_unit(self._frame.module_fqn)
+        if offload is not None and offload.applies(streams is not None):  # Note [The offload schedule] (offload.py)
+            graph.offload = offload.open_unit(self._frame.module_fqn, streams)
         if st.tracker is not None:
             graph.tracker = st.tracker
             st.tracker._add_graph(graph)

@@ -7,8 +7,38 @@ as soon as consumed]), fills cut nodes from private replays (Note [Nested module
 the replay]), brings RNG chains to the state before a random op (Note [One generator
 state per region]), replays writes into fresh values (Note [Replaying writes to fresh
 tensors], Note [Writes through views of fresh tensors]) and caches the outputs
-consumers wait for. The Notes are in ``_graph.py``; the use counts, saved values,
-executor, statistics and chains it works on are the graph's.
+consumers wait for. The Notes are in ``_graph.py``, except the one below, the rule of
+the replays that take no pending use; the use counts, saved values, executor,
+statistics and chains it works on are the graph's.
+
+Note [A private replay holds what it reads]
+    Two kinds of reader share a graph's values in backward. The normal path (an
+    unpack, a prefetch and the replays they schedule) holds pending uses: ``arm``
+    counted each of its reads and ``take`` drops a cached value at the last one
+    (Note [Use counts free recomputed values as soon as consumed]). A private replay
+    -- a cut node's fill (Note [Nested modules cut the replay]) or an RNG chain's
+    advance past an op backward does not need (Note [One generator state per
+    region]) -- holds none: whether it runs, and how often, depends on the order in
+    which consumers arrive, which autograd, a prefetch or a retained backward
+    decides, so nothing armed its reads. Pending uses therefore say nothing about
+    what it will read, and a value it found in the graph can be gone when it reads
+    it: another consumer's ``take`` dropped it (a normal-path replay run by an RNG
+    advance inside it), or it is a cut node filled when no pending consumer was
+    left, which ``_keep`` does not cache at all. The prefetch walk in pack order did
+    the latter to nested modules: the layers' handles took a layer output to zero
+    uses, then the next layer's private fill read it ("Expected a proper Tensor but
+    got None").
+
+    The rule: a private replay owns its reads. When it plans (``_missing``) it takes
+    a reference to each cached value of the graph it will read; it reads a saved
+    value at its first use (no saved value is dropped while a private replay may
+    still run: Note [Saved values die at their last use]); it keeps what the nodes
+    it runs and the cut nodes it fills return, whether the graph caches them too or
+    not; and it drops each reference after its own last read of it. It never goes
+    back to the graph for a value, so it is correct in any order of consumers and
+    still holds only its live frontier. (The prefetch walks handles in reverse pack
+    order, autograd's order for a chain of layers, so that prefetching recomputes no
+    more than backward without it: an economy, not what makes it safe.)
 """
 
 from __future__ import annotations
@@ -106,48 +136,60 @@ class Replayer:
         self._keep(cut, self._private(cut))
 
     def _private(self, node: Node) -> list[Any]:
-        """``node``'s outputs from a replay that takes no pending use and caches
-        nothing but the cut nodes it meets (those are armed: their consumers wait).
+        """``node``'s outputs from a replay that takes no pending use and caches nothing
+        but the cut nodes it meets (those are armed: their consumers wait).
 
-        Its own intermediates are use-counted within the replay: each is dropped as
-        soon as the last node of the replay that reads it has run, so a private replay
-        holds its live frontier, not every value it computed.
+        It holds every value it reads itself, from when it finds it until the last node
+        of the replay that reads it has run (Note [A private replay holds what it
+        reads]): values of the graph that exist when it plans, read then;
+        saved values, read at their first use; its own intermediates and the outputs of
+        the cut nodes it fills, as they are computed. So it holds its live frontier,
+        not every value it computed, and never re-reads the graph for a value that a
+        pending-use ``take`` may have dropped meanwhile.
         """
         order = self._missing(node)
         order.remove(node)
-        local: dict[Node, list] = {}
-        uses: dict[tuple[Node, int], int] = {}
-        runs = [n for n in order if not n.cut]
-        runs.append(node)
-        members = set(runs)
-        for n in runs:
-            for m, j in producers(n):
-                if m in members:
-                    uses[m, j] = uses.get((m, j), 0) + 1
+        left: dict[tuple[Node, int], int] = {}  # reads still to come, per node output
+        for n in order:
+            if not n.cut:  # a cut node's inputs are read by its own private replay
+                for key in producers(n):
+                    left[key] = left.get(key, 0) + 1
+        for key in producers(node):
+            left[key] = left.get(key, 0) + 1
+        # (value, the graph holds it too) of each output read that is at hand now.
+        held: dict[tuple[Node, int], tuple[Any, bool]] = {}
+        planned = set(order)
+        for m, j in left:
+            if m not in planned and (m.saved is None or m.saved[j] is None):
+                held[m, j] = (m.values[j], True)  # a cached recomputed value: hold it now
 
         def value_of(m: Node, j: int) -> tuple[Any, bool]:
-            values = local.get(m)
-            if values is None:  # a saved or cached value of the graph: others use it too
-                return self._peek(m, j), True
-            v = values[j]
-            left = uses[m, j] - 1
-            uses[m, j] = left
-            if left == 0:
-                values[j] = None
-            return v, left > 0
+            key = (m, j)
+            entry = held.get(key)
+            if entry is None:  # a saved value, read at its first use here
+                entry = (self._saved_value(m, j), True)
+            n = left[key] - 1
+            left[key] = n
+            if n:
+                held[key] = entry
+            else:
+                held.pop(key, None)
+            return entry[0], entry[1] or n > 0
 
         for n in order:
             if n.cut:
-                self._fill_cut(n)
+                flat = self._private(n)
+                mine = list(flat)
+                self._keep(n, flat)  # cached for the pending consumers, if any
+                values = n.values
+                for i, v in enumerate(mine):
+                    if (n, i) in left:
+                        held[n, i] = (v, values is not None and values[i] is not None)
             else:
-                local[n] = self._execute(n, value_of)
+                for i, v in enumerate(self._execute(n, value_of)):
+                    if (n, i) in left:
+                        held[n, i] = (v, False)
         return self._execute(node, value_of)
-
-    def _peek(self, node: Node, idx: int) -> Any:
-        """``node[idx]`` for a private replay: no pending use is taken (it has none)."""
-        if node.saved is not None and node.saved[idx] is not None:
-            return self._saved_value(node, idx)
-        return node.values[idx]
 
     def _take_shared(self, node: Node, idx: int) -> tuple[Any, bool]:
         """``take`` for a replay: the value and whether anyone else still holds it."""

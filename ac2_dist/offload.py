@@ -1,4 +1,4 @@
-"""Asynchronous selective CPU offload of saved activations (CONTRACT §14).
+"""Asynchronous selective CPU offload of saved activations.
 
 A value a policy offloads (``CheckpointPolicy.MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD``,
 or ``tag_with_policy`` with one of them) is copied to host memory and brought back
@@ -48,7 +48,12 @@ Note [The offload schedule]
     but not waited for when backward first reads it (the last ``defer`` - 1 before
     it) is *kept* too: its device tensors serve backward and its buffers return to
     the pool at once. So the last block is never offloaded, without knowing the
-    number of blocks.
+    number of blocks. A kept block's device tensors were allocated on the compute
+    stream and die with their records (the value's last use, its graph) with no wait
+    for the streams that read them: the copy stream's reads are ``record_stream``-ed
+    when the block is kept (or when a record dies before its copies were waited for),
+    a side-stream replay's when it reads the value (Note [Tensors that cross
+    streams] in replay.py).
 
 Note [Pinned buffer pool]
     Pinning host memory costs milliseconds per allocation (``cudaHostAlloc``), which
@@ -85,6 +90,7 @@ from typing import Any
 import torch
 
 from ._nodes import modified_error
+from ._streams import StreamBackend
 
 __all__ = ["Offload", "OffloadStats", "OffloadedTensor", "InlineCopies", "CudaCopies"]
 
@@ -137,17 +143,18 @@ class _Pool:
         self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
         self._stats = stats
 
-    def get(self, nbytes: int, pinned: bool) -> tuple[torch.Tensor, Any]:
-        """A buffer of ``nbytes`` and the event of the last copy that read it (or None).
-        Keyed by size alone: a pinned buffer serves an inline copy as well, and an
-        unpinned one a CUDA copy (then synchronously); each Offload has one kind."""
+    def get(self, nbytes: int, engine: InlineCopies) -> tuple[torch.Tensor, Any]:
+        """A buffer of ``nbytes`` and the event of the last copy that read it (or None);
+        a new one from ``engine`` if none is free. Keyed by size alone: a pinned buffer
+        serves an inline copy as well, and an unpinned one a CUDA copy (then
+        synchronously); each Offload has one kind."""
         free = self._free.get(nbytes)
         if free:
             self._stats.buffers_reused += 1
             return free.pop()
         self._stats.buffers_allocated += 1
         self._stats.bytes_allocated += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), None
+        return engine.host_buffer(nbytes), None
 
     def put(self, buf: torch.Tensor, event: Any) -> None:
         self._free.setdefault(buf.numel(), []).append((buf, event))
@@ -165,7 +172,9 @@ class InlineCopies:
     """Copies on the calling thread, in program order: CPU "device" tensors (the
     schedule under test on CPU). No events: every copy is done when it returns."""
 
-    pinned = False
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A new host buffer of ``nbytes`` for the pool (Note [Pinned buffer pool])."""
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def issue(self, records: list[OffloadedTensor]) -> Any:
         """Copy ``records`` to their host buffers; returns the event marking the end."""
@@ -191,22 +200,25 @@ class CudaCopies(InlineCopies):
     """Device->host copies on a CUDA side stream (``stream=None``: the current stream,
     i.e. ``Offload(stream="inline")`` for CUDA tensors), into pinned buffers;
     host->device copies on the stream that reads the value (the replay side stream
-    when prefetched)."""
+    when prefetched). ``streams``: torch.cuda, or the test suite's simulation (Note
+    [Stream backends] in _streams.py)."""
 
-    pinned = True
-
-    def __init__(self, stream: Any = None) -> None:
+    def __init__(self, streams: StreamBackend, stream: Any = None) -> None:
+        self._streams = streams
         self._stream = stream
 
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return self._streams.host_buffer(nbytes)
+
     def _copy_stream(self) -> Any:
-        return self._stream if self._stream is not None else torch.cuda.current_stream()
+        return self._stream if self._stream is not None else self._streams.current_stream()
 
     def issue(self, records: list[OffloadedTensor]) -> Any:
         side = self._copy_stream()
-        current = torch.cuda.current_stream()
+        current = self._streams.current_stream()
         if side != current:
             side.wait_stream(current)  # the values were produced on the compute stream
-        with torch.cuda.stream(side):
+        with self._streams.use(side):
             for r in records:
                 if r.reuse_after is not None:  # the buffer's last reader (Note [Pinned buffer pool])
                     side.wait_event(r.reuse_after)
@@ -217,17 +229,17 @@ class CudaCopies(InlineCopies):
     def guard(self, t: torch.Tensor) -> None:
         # Only where needed: record_stream delays the reuse of a freed block until the
         # allocator sees the copy done, which would hold committed blocks' memory longer.
-        if self._stream is not None and self._stream != torch.cuda.current_stream():
-            t.record_stream(self._stream)
+        if self._stream is not None and self._stream != self._streams.current_stream():
+            self._streams.record_stream(t, self._stream)
 
     def writer_waits(self, event: Any) -> None:
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            self._streams.current_stream().wait_event(event)
 
     def to_device(self, r: OffloadedTensor) -> tuple[torch.Tensor, Any]:
         out = torch.empty_strided(r.shape, r.stride, dtype=r.dtype, device=r.device_of)
         out.copy_(r.host, non_blocking=True)
-        return out, torch.cuda.current_stream().record_event()
+        return out, self._streams.current_stream().record_event()
 
 
 class OffloadedTensor:
@@ -258,8 +270,8 @@ class OffloadedTensor:
         self.stale: str | None = None  # why the value is gone (Note [Offloaded values that are written])
 
     # ---- forward --------------------------------------------------------------
-    def _take_buffer(self, pool: _Pool, pinned: bool) -> None:
-        buf, self.reuse_after = pool.get(self.nbytes, pinned)
+    def _take_buffer(self, pool: _Pool, engine: InlineCopies) -> None:
+        buf, self.reuse_after = pool.get(self.nbytes, engine)
         flat = buf.view(self.dtype)
         self.buf = buf
         self.host = flat.as_strided(self.shape, self.stride)
@@ -282,7 +294,7 @@ class OffloadedTensor:
         owner = unit.owner
         with owner._lock:
             if self.host is None:  # not copied yet (its block is still open)
-                self._take_buffer(owner._pool, unit.engine.pinned)
+                self._take_buffer(owner._pool, unit.engine)
                 owner._count_d2h(self)
                 event = unit.engine.issue([self])
                 self.copied = True
@@ -337,7 +349,9 @@ class OffloadedTensor:
     def __del__(self) -> None:
         try:
             if self.device is not None and self.copied and self.unit.state == _COPIED:
-                self.unit.engine.guard(self.device)  # died before its copy was waited for
+                # Died before its copy was waited for. (A side-stream replay that read a
+                # kept block's tensor guarded it then: Note [Tensors that cross streams].)
+                self.unit.engine.guard(self.device)
             self.release_host(self.last_read if self.last_read is not None else self.unit.copied_event)
         except Exception:  # interpreter shutdown: nothing left to release into
             pass
@@ -347,30 +361,33 @@ class OffloadUnit:
     """The offloaded values of one block (one outermost region) and where they are in
     the schedule (Note [The offload schedule])."""
 
-    __slots__ = ("owner", "fqn", "engine", "device_type", "records", "state", "copied_event", "__weakref__")
+    __slots__ = ("owner", "fqn", "streams", "engine", "on_device", "records", "state", "copied_event",
+                 "__weakref__")
 
-    def __init__(self, owner: Offload, fqn: str) -> None:
+    def __init__(self, owner: Offload, fqn: str, streams: StreamBackend | None = None) -> None:
         self.owner = owner
         self.fqn = fqn
+        self.streams = streams  # the region's stream backend; None on CPU (Note [Stream backends])
         self.engine: InlineCopies | None = None  # chosen by the first offloaded value (takes)
-        self.device_type = ""
+        self.on_device = False  # the engine copies device tensors (else CPU ones, inline)
         self.records: list[weakref.ref[OffloadedTensor]] = []
         self.state = _OPEN
         self.copied_event: Any = None
 
     def takes(self, t: torch.Tensor) -> bool:
         """Whether ``t`` goes through the schedule (else ``Saved`` keeps today's path):
-        a plain, non-empty CUDA tensor, or with ``stream="inline"`` a CPU tensor too; one
-        device type per block (the first offloaded value's picks the copy engine)."""
+        a plain, non-empty device (CUDA) tensor, or with ``stream="inline"`` a CPU tensor
+        too; one kind per block (the first offloaded value's picks the copy engine)."""
         if type(t) is not torch.Tensor or t.numel() == 0:
             return False
-        device = t.device.type
-        if not (device == "cuda" or (device == "cpu" and self.owner.stream == "inline")):
+        streams = self.streams
+        on_device = streams is not None and streams.on_device(t)
+        if not (on_device or (t.device.type == "cpu" and self.owner.stream == "inline")):
             return False
         if self.engine is None:
-            self.engine = self.owner._engine(device)
-            self.device_type = device
-        return device == self.device_type
+            self.engine = self.owner._engine(streams if on_device else None)
+            self.on_device = on_device
+        return on_device == self.on_device
 
     def save(self, t: torch.Tensor, *, version: int | None, counter: torch.Tensor | None,
              allow_mutation: bool, owner: str) -> OffloadedTensor:
@@ -387,7 +404,7 @@ class OffloadUnit:
         owner = self.owner
         todo = [r for r in self.live() if r.device is not None and not r.copied]
         for r in todo:
-            r._take_buffer(owner._pool, self.engine.pinned)
+            r._take_buffer(owner._pool, self.engine)
             owner._count_d2h(r)
             r.copied = True
         self.copied_event = self.engine.issue(todo) if todo else None
@@ -442,8 +459,9 @@ class Offload:
         defer: the wait for block i's device->host copies happens when block
             i+``defer`` closes (1, 2, ...): how many blocks' forward the copies may
             overlap; at most ``defer`` + 1 blocks' offloaded values stay on the device.
-        stream: ``"auto"`` (CUDA tensors: copies on a side stream of this Offload; CPU
-            tensors are saved by reference, nothing to offload them to),
+        stream: ``"auto"`` (CUDA tensors: copies on a side stream of this Offload, made
+            when it first copies and kept for its lifetime; CPU tensors are saved by
+            reference, nothing to offload them to),
             ``"inline"`` (copies on the current stream; CPU tensors too, into ordinary
             host buffers: the schedule's CPU test mode) or a ``torch.cuda.Stream``.
         log: called as ``log(event, block_fqn)`` for ``open`` / ``close`` (a block's
@@ -473,7 +491,7 @@ class Offload:
         self._pool = _Pool(self.stats)
         self._closed: deque[weakref.ref[OffloadUnit]] = deque()  # closed, not yet committed
         self._side: Any = stream if _is_stream(stream) else None
-        self._engines: dict[str, InlineCopies] = {}
+        self._engines: dict[StreamBackend | None, InlineCopies] = {}  # per stream backend; None: CPU
 
     def __repr__(self) -> str:
         return f"ac2_dist.Offload(defer={self.defer}, stream={self.stream!r})"
@@ -497,31 +515,32 @@ class Offload:
         with self._lock:
             self._pool.clear()
 
-    def _engine(self, device_type: str) -> InlineCopies:
-        engine = self._engines.get(device_type)
+    def _engine(self, streams: StreamBackend | None) -> InlineCopies:
+        """The copy engine of device tensors on ``streams`` (None: CPU tensors, inline)."""
+        engine = self._engines.get(streams)
         if engine is None:
-            if device_type == "cuda":
-                if self.stream == "inline":
-                    engine = CudaCopies(None)
-                else:
-                    if self._side is None:
-                        self._side = torch.cuda.Stream()
-                    engine = CudaCopies(self._side)
-            else:
+            if streams is None:
                 engine = InlineCopies()
-            self._engines[device_type] = engine
+            elif self.stream == "inline":
+                engine = CudaCopies(streams, None)
+            else:
+                if self._side is None:
+                    self._side = streams.new_stream()
+                engine = CudaCopies(streams, self._side)
+            self._engines[streams] = engine
         return engine
 
-    def open_unit(self, fqn: str) -> OffloadUnit:
-        """A block opens (its region is installed): the blocks closed before it issue
-        their copies (step 2 of Note [The offload schedule])."""
+    def open_unit(self, fqn: str, streams: StreamBackend | None = None) -> OffloadUnit:
+        """A block opens (its region is installed, on ``streams``: the region's stream
+        backend, None on CPU): the blocks closed before it issue their copies (step 2
+        of Note [The offload schedule])."""
         with self._lock:
             self._emit("open", fqn)
             for ref in self._closed:
                 unit = ref()
                 if unit is not None and unit.state == _CLOSED:
                     unit.issue()
-            return OffloadUnit(self, fqn)
+            return OffloadUnit(self, fqn, streams)
 
     def _close(self, unit: OffloadUnit) -> None:
         with self._lock:

@@ -1,4 +1,4 @@
-"""Executing replays: where and when recorded ops are re-run (CONTRACT §7).
+"""Executing replays: where and when recorded ops are re-run.
 
 One executor abstraction runs a graph's replays: :class:`InlineExecutor` on the thread
 (and, on CUDA, the stream) that runs backward -- the CPU default -- or
@@ -37,6 +37,38 @@ Note [Replay environment]
     Other dispatch modes the user has active (e.g. ``FlopCounterMode``) still see
     the replayed ops.
 
+Note [Tensors that cross streams]
+    The caching allocator returns a freed block to the pool of the stream that
+    allocated it, at once, and the next allocation on that stream may take it while a
+    kernel another stream queued earlier still reads it. So a tensor one stream
+    allocated and another reads must be ``record_stream``-ed on the reader (the
+    allocator then reuses the block only once the reader has passed the point of the
+    free), or freed only after its stream waited for the reader. With replays on a
+    side stream (:class:`SideStreamExecutor`):
+
+    - Saved values -- region inputs, parameters, policy saves, side-effect outputs, the
+      device tensors of an offload block backward reads in place (Note [The offload
+      schedule] in offload.py), what a ``SAVE_WITH_HOOKS`` unpack returns -- were
+      allocated on the compute stream. A replay on the side stream reads them, and
+      they can die before the compute stream waits for it: at their last use inside
+      that very replay (Note [Saved values die at their last use] in _graph.py), in
+      a prefetch that runs while the compute stream goes on with the current unit's
+      backward; or with their graph or their offload block. Each saved value a
+      side-stream replay reads is ``record_stream``-ed on the side stream
+      (``Graph._saved_value`` calls ``executor.guard_read``); on a value the side
+      stream allocated itself that is a no-op.
+    - Replays allocate on the side stream. A value handed to the consumer is waited
+      for (the replay's ready event) and ``record_stream``-ed on the consumer
+      (``hand_over``); everything else a replay makes is read and dropped on the side
+      stream only. A host->device copy of an offloaded value is made on the stream
+      that reads it (the side stream, in a prefetch).
+    - The offload copy stream reads device tensors the compute stream allocated; its
+      copies are waited for before those are freed, or the tensors are
+      ``record_stream``-ed on it (offload.py).
+
+    The CPU test suite runs these paths under a simulated CUDA that fails a test on
+    any unsynchronised cross-stream free (``tests/_simcuda.py``).
+
 Note [Replays save natively]
     A replay under ``create_graph=True`` is recorded by autograd, which saves
     tensors for it. Were the saving region's hooks on top of the stack, a replayed
@@ -59,6 +91,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from ._graph import Graph
+from ._streams import StreamBackend
 from .offload import Offload
 
 _NULL = contextlib.nullcontext()
@@ -119,7 +152,12 @@ class ReplayConfig:
 
     Args:
         stream: ``"auto"`` (a side stream on CUDA, inline on CPU), ``"inline"``, or a
-            ``torch.cuda.Stream`` to replay on.
+            ``torch.cuda.Stream`` to replay on. The ``"auto"`` side stream is made once
+            per device and per thread that runs backward (autograd's CUDA worker: one
+            per GPU), at the first replay, and reused by every region and every step
+            until the thread ends -- for autograd's worker threads, until the process
+            does: each CUDA stream keeps a cuBLAS workspace and an allocator pool of
+            its own.
         prefetch: how many checkpointed modules ahead backward replays are run when a
             module's backward starts (0, 1 or 2). ``None``: 1 on CUDA, 0 on CPU. Only
             modules checkpointed with ``apply_ac`` / ``wrap`` are prefetched (the order
@@ -162,11 +200,13 @@ class ReplayConfig:
             return self.prefetch
         return 1 if on_cuda else 0
 
-    def executor(self, thread_state: Any, on_cuda: bool) -> InlineExecutor:
-        if self.stream in ("inline", None) or not on_cuda:
+    def executor(self, thread_state: Any, streams: StreamBackend | None) -> InlineExecutor:
+        """The executor of one region's graph; ``streams``: the region's stream backend,
+        None on CPU (Note [Stream backends] in _streams.py)."""
+        if self.stream in ("inline", None) or streams is None:
             return InlineExecutor(thread_state)
         stream = self.stream if _is_stream(self.stream) else None
-        return SideStreamExecutor(thread_state, stream)
+        return SideStreamExecutor(thread_state, streams, stream)
 
 
 DEFAULT_CONFIG = ReplayConfig()
@@ -194,6 +234,9 @@ class InlineExecutor:
     #: A value that exists needs no executor: the graph hands it over itself (Note
     #: [Unpacking a value that exists] in _graph.py). Not on a side stream.
     takes_existing = True
+    #: Called with every saved value a replay or an unpack reads, or None: on the
+    #: calling stream there is nothing to guard (Note [Tensors that cross streams]).
+    guard_read: Callable[[Any], None] | None = None
 
     def __init__(self, thread_state: Any) -> None:
         self._state_of_thread = thread_state
@@ -247,23 +290,35 @@ class InlineExecutor:
 
 
 class SideStreamExecutor(InlineExecutor):
-    """Runs replays on a CUDA side stream (CONTRACT §7).
+    """Runs replays on a CUDA side stream: the one given, or the side stream of the
+    device and the thread that runs backward, made once and shared by every graph and
+    every step (Note [One side stream per device] in _streams.py).
 
     The side stream first waits for the consuming stream (replay inputs may have been
-    produced there); the consumer then waits on an event recorded after the replay,
-    and every tensor handed over is ``record_stream``-ed on the consumer, so the
-    caching allocator frees it when backward is done with it and never earlier.
+    produced there); the consumer then waits on an event recorded after the replay.
+    Memory read across the two streams is guarded (Note [Tensors that cross streams]):
+    every saved value a replay reads is ``record_stream``-ed on the side stream and
+    every tensor handed over on the consumer, so the caching allocator reuses neither
+    before the stream reading it is done with it.
     """
 
     takes_existing = False  # values are handed over with the side stream's event
 
-    def __init__(self, thread_state: Any, stream: Any = None) -> None:
+    def __init__(self, thread_state: Any, streams: StreamBackend, stream: Any = None) -> None:
         super().__init__(thread_state)
+        self._streams = streams  # torch.cuda, or the test suite's simulation (_streams.py)
         self._stream = stream
+        self.guard_read = self._read_on_side
+
+    def _read_on_side(self, value: Any) -> None:
+        """A saved value (allocated on the compute stream in forward) is read by a replay
+        on the side stream, and may be dropped before the compute stream waits for it."""
+        if isinstance(value, torch.Tensor) and self._streams.on_device(value):
+            self._streams.record_stream(value, self._side())
 
     def _side(self) -> Any:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
+        if self._stream is None:  # this thread's, shared by every graph and step
+            self._stream = self._streams.side_stream()
         return self._stream
 
     def realize(self, graph: Graph, node: Node, idx: int) -> Any:
@@ -271,16 +326,18 @@ class SideStreamExecutor(InlineExecutor):
         return self.hand_over(value, ready)
 
     def prefetch(self, graph: Graph, node: Node, idx: int) -> tuple[Any, Any]:
+        streams = self._streams
         side = self._side()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), trace_range("ac2::replay"):
+        side.wait_stream(streams.current_stream())
+        with streams.use(side), trace_range("ac2::replay"):
             value = self._realize(graph, node, idx)
         return value, side.record_event()
 
     def hand_over(self, value: Any, ready: Any) -> Any:
-        consumer = torch.cuda.current_stream()
+        streams = self._streams
+        consumer = streams.current_stream()
         if ready is not None:
             consumer.wait_event(ready)
-        if isinstance(value, torch.Tensor) and value.is_cuda:
-            value.record_stream(consumer)
+        if isinstance(value, torch.Tensor) and streams.on_device(value):
+            streams.record_stream(value, consumer)
         return value

@@ -39,3 +39,15 @@ def _no_profiler_session_left_running():
             trace.__exit__(None, None, None)
             trace = active_trace()
         pytest.fail("a profiler session was left running by this test")
+
+
+@pytest.fixture
+def simcuda():
+    """A simulated CUDA on this thread (tests/_simcuda.py): regions take its streams for
+    torch.cuda's, and the test fails on an unsynchronised cross-stream free or an
+    unordered access, here at the latest."""
+    from _simcuda import SimCuda
+
+    with SimCuda() as sim:
+        yield sim
+        sim.check()

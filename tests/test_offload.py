@@ -86,13 +86,19 @@ def _offloaded(rec: _Recorder, offload: ac.Offload, depth: int, device: str = "c
                        replay=ac.ReplayConfig(stream=stream, prefetch=depth, log=rec, offload=offload))
 
 
+@pytest.mark.parametrize("streams", ["inline", "simulated"])
 @pytest.mark.parametrize("defer,depth", [(1, 1), (2, 1), (1, 0), (1, 2)])
-def test_schedule_order_lifetimes_and_values(defer, depth):
+def test_schedule_order_lifetimes_and_values(defer, depth, streams, request):
+    """``streams="simulated"``: the CUDA path -- copies on the Offload's stream, replays on
+    the side stream -- under the simulated CUDA (tests/_simcuda.py), which fails the test
+    on an unsynchronised cross-stream free or an unordered access."""
+    sim = request.getfixturevalue("simcuda") if streams == "simulated" else None
     tokens = _tokens()
     eager = _grads(_model(), tokens)
     rec = _Recorder()
-    offload = ac.Offload(defer, stream="inline", log=rec)
-    model = _offloaded(rec, offload, depth)
+    stream = "inline" if sim is None else "auto"
+    offload = ac.Offload(defer, stream=stream, log=rec)
+    model = _offloaded(rec, offload, depth, stream=stream)
     got = _grads(model, tokens)
     assert_bitwise(eager, got)  # copies are exact: gradients are eager's bit for bit
 
@@ -153,6 +159,9 @@ def test_schedule_order_lifetimes_and_values(defer, depth):
     assert_bitwise(eager, got2)
     assert offload.stats.buffers_allocated == copied * per_block
     assert offload.stats.buffers_reused == copied * per_block
+    if sim is not None:
+        sim.check()
+        assert sim.stats.cross_stream_uses > 0 and sim.stats.streams_created == 2  # side + copy stream
 
 
 def test_retained_graph_reads_host_copies_twice():

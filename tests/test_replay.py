@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from _dist import run_ranks
 from _models import assert_bitwise
-from models import Llama, LlamaBlock
+from models import Llama, LlamaBlock, MLPLayer, Stage, StageStack
 
 import ac2_dist as ac
 
@@ -26,9 +26,9 @@ def _loss(model, tokens):
     return F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
 
 
-def _run(prefetch, tokens, log=None, sample=None):
+def _run(prefetch, tokens, log=None, sample=None, stream="inline"):
     model = _model()
-    ac.apply_ac(model, "recompute_all", modules=[LlamaBlock], replay=ac.ReplayConfig(stream="inline", prefetch=prefetch, log=log))
+    ac.apply_ac(model, "recompute_all", modules=[LlamaBlock], replay=ac.ReplayConfig(stream=stream, prefetch=prefetch, log=log))
     with ac.memory.track(model) as tracker:
         if sample is not None:
             sample.graphs = tracker.graphs
@@ -70,12 +70,19 @@ def _order_holds(events: _Sampler, depth: int) -> None:
             assert events.events.index(("prefetch_end", prev), start) < events.index("backward_end", f"layers.{i}")
 
 
+@pytest.mark.parametrize("streams", ["inline", "simulated"])
 @pytest.mark.parametrize("depth", [1, 2])
-def test_prefetch_order_grads_and_memory_bound(depth):
+def test_prefetch_order_grads_and_memory_bound(depth, streams, request):
+    """``streams="simulated"``: replays on the side stream under the simulated CUDA
+    (tests/_simcuda.py), which fails the test on a stream hazard."""
+    sim = request.getfixturevalue("simcuda") if streams == "simulated" else None
     tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
     ref, base = _run(0, tokens)
     sampler = _Sampler()
-    got, tracker = _run(depth, tokens, log=sampler, sample=sampler)
+    got, tracker = _run(depth, tokens, log=sampler, sample=sampler, stream="inline" if sim is None else "auto")
+    if sim is not None:
+        assert all(type(g.executor).__name__ == "SideStreamExecutor" for g in tracker.graphs)
+        sim.check()
     assert_bitwise(ref, got)
     _order_holds(sampler, depth)
     # At most the current unit's and the prefetched units' recomputed values are alive
@@ -173,6 +180,66 @@ def test_fsdp_prefetch_after_unshard_before_backward_ends():
                 assert p_start < unshard < p_end, ev
                 # ...and it is done before unit i's backward ends.
                 assert p_end < ev.index(("backward_end", f"layers.{i}")), ev
+
+
+def _nested(stages=2, layers=3):
+    """Stages of layers, both checkpointed (HF Swin's shape: Note [Nested modules cut the replay])."""
+    torch.manual_seed(0)
+    return StageStack(stages, 16, layers)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_nested_modules_with_prefetch_match_eager_bitwise(depth):
+    """Item 1 of issue 39: stages x layers checkpointed, prefetch 1 or 2 (the CUDA
+    default is 1) crashed in backward ("Expected a proper Tensor but got None"): a
+    layer output was dropped at its last pending use before the next layer's private
+    replay read it (Note [A private replay holds what it reads])."""
+    eager = _nested()
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    xe = x.clone().requires_grad_()
+    eager(xe).square().sum().backward()
+    ops = {}
+    for prefetch in (0, depth):
+        model = _nested()
+        sampler = _Sampler()
+        ac.apply_ac(model, "recompute_all", modules=[Stage, MLPLayer],
+                    replay=ac.ReplayConfig(stream="inline", prefetch=prefetch, log=sampler))
+        xa = x.clone().requires_grad_()
+        with ac.memory.track(model) as tracker:
+            model(xa).square().sum().backward()
+        assert_bitwise([p.grad for p in eager.parameters()] + [xe.grad],
+                       [p.grad for p in model.parameters()] + [xa.grad])
+        assert all(s.cached_bytes == 0 for s in tracker.graph_stats)
+        ops[prefetch] = tracker.report().recomputed_ops
+        if prefetch:
+            assert ("prefetch_end", "blocks.0") in sampler.events  # the earlier stage was prefetched
+    # Prefetching recomputes nothing that backward without it does not.
+    assert ops[depth] == ops[0]
+
+
+@pytest.mark.parametrize("order", ["pack", "reverse"])
+def test_private_replays_hold_what_they_read_in_any_order(order):
+    """Note [A private replay holds what it reads]: a region's handles realized in
+    pack order (the prefetch's old walk: the layers' handles take a layer output to
+    zero uses before the next layer's private fill reads it) or in reverse give the
+    values backward without prefetch gets."""
+    torch.manual_seed(0)
+    stage = ac.apply_ac(Stage(16, 3), "recompute_all", modules=[MLPLayer])
+    x = torch.randn(4, 16, requires_grad=True)
+    got = []
+    for walk in ("reverse", order):
+        with ac.apply_ac_policy("recompute_all") as region:
+            y = stage(x)  # y keeps the handles alive
+        graph = region.graph
+        assert graph.has_cuts
+        handles = graph.live_handles()
+        with graph.lock:
+            graph.settle()
+            seq = handles if walk == "pack" else handles[::-1]
+            values = {id(h): graph.executor.realize(graph, h.node, h.idx) for h in seq}
+        got.append([values[id(h)] for h in handles])
+        del y
+    assert_bitwise(*got)
 
 
 cuda = pytest.mark.cuda  # skips without a device (conftest.py); launch/gpu_check.py runs it on a GPU
