@@ -103,6 +103,16 @@ Note [Nested modules cut the replay]
     the outer region. The price is torch's too: a nested module's ops run twice in
     backward (once for its output, once for its own backward).
 
+Note [Prefetch stops at nested modules]
+    Prefetching a unit realizes every live handle of its graph at once (Note
+    [Prefetching the next unit's replay] in replay.py). In a graph with nested
+    checkpointed modules those handles are the saved tensors of every nested module
+    (a stage's layers): realizing them together would hold all the layers' recomputed
+    values at the same time, where backward without prefetch holds one layer's (the
+    bound of Note [Nested modules cut the replay], torch's nested checkpoint's). So
+    such a graph is not prefetched: its values are realized on demand, one nested
+    module at a time. Units without nested modules are prefetched as before.
+
 Note [One generator state per region]
     With ``rng="replay"`` the tracer stashes a generator's state once, before the
     region's first random op on it, and links the following random ops on that
@@ -767,7 +777,12 @@ class Graph(Replayer):
         without prefetch (in pack order a layer's output was needed again after its
         readers had dropped it: recomputed once more per layer). Deterministic, as
         Note [Deterministic prefetch order] asks; any order is correct (Note [A
-        private replay holds what it reads] in _replayer.py)."""
+        private replay holds what it reads] in _replayer.py).
+
+        A graph with nested checkpointed modules (cut nodes) is not prefetched: Note
+        [Prefetch stops at nested modules]."""
+        if self.has_cuts:
+            return 0
         task = torch._C._current_graph_task_id()
         if self.tracker is not None:
             self.tracker._on_unpack()  # a prefetch is backward work
