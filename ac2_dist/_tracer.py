@@ -99,6 +99,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -122,6 +123,7 @@ except ImportError:  # torch built without distributed
 _CP = torch.utils.checkpoint.CheckpointPolicy
 _Tensor = torch.Tensor
 _inference_mode = torch.is_inference_mode_enabled
+_weakref = weakref.ref
 # Enum members as module constants: ``_CP.MUST_RECOMPUTE`` is a class attribute lookup
 # through the enum's metaclass, ~5x a global's cost, once per recorded op.
 _MUST_RECOMPUTE = _CP.MUST_RECOMPUTE
@@ -405,7 +407,7 @@ class Tracer(TorchDispatchMode):
                     graph.open_chains.clear()
                 node = graph.new_node(func, len(flat), inner.module_fqn)
             graph.stats.saved_nodes += 1
-            held = graph.held
+            pending = graph.held.pending
             keep_base = not info.returns_alias
             counter = alias(src) if src is not None and view_version is not None else None
             for i, o in enumerate(flat):
@@ -421,7 +423,7 @@ class Tracer(TorchDispatchMode):
                               keep_identity=keep, owner=info.owner, version=version,
                               counter=counter, offload=graph.offload),
                     )
-                    held.add(node, i)  # Note [Held values are found by storage] (_writes.py)
+                    pending.append((_weakref(node), i))  # Note [Held values are found by storage] (_writes.py)
         if (
             single and src is None and not writes and not types and not info.returns_alias
             and not info.fresh_output and args and isinstance(args[0], _Tensor)

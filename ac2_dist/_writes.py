@@ -108,18 +108,20 @@ class HeldStorages:
         The list lives for forward only (``Graph.close_map`` drops it).
     """
 
-    __slots__ = ("_new", "_by_storage")
+    __slots__ = ("pending", "_by_storage")
 
     def __init__(self) -> None:
-        self._new: list[tuple[weakref.ref, int]] = []
+        # (weak reference to a node, output index) listed since the last write; the
+        # tracer's save path appends to it directly (one call less per saved value).
+        self.pending: list[tuple[weakref.ref, int]] = []
         self._by_storage: dict[int, list[tuple[weakref.ref, int]]] = {}
 
     def add(self, node: Node, idx: int) -> None:
-        self._new.append((weakref.ref(node), idx))
+        self.pending.append((weakref.ref(node), idx))
 
     def _file(self) -> None:
         by_storage = self._by_storage
-        for entry in self._new:
+        for entry in self.pending:
             node = entry[0]()
             if node is None or node.saved is None:
                 continue
@@ -128,12 +130,12 @@ class HeldStorages:
                 key = storage_key(t)
                 if key is not None:
                     by_storage.setdefault(key, []).append(entry)
-        self._new = []
+        self.pending = []
 
     def before_write(self, written: Any) -> None:
         """Copy the held values on the storages of ``written`` (tensors about to be
         written) that a replay reads (Note [Held values are found by storage])."""
-        if self._new:
+        if self.pending:
             self._file()
         if not self._by_storage:
             return
