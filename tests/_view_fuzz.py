@@ -121,14 +121,15 @@ def _op_path(e: Any) -> str:
 class AllocatorTrace:
     """Live bytes of the CPU allocator at named instants, from torch.profiler's memory
     events; blocks allocated before the trace are not counted (nor their frees).
-    ``live[mark]``: bytes; ``blocks[mark]``: ``(bytes, op that allocated it)`` of each
-    block alive then (the op is the innermost profiler event around the allocation)."""
+    ``live[mark]``: bytes; ``blocks[mark]``: ``(bytes, ops that allocated it, the mark
+    before its allocation)`` of each block alive then (ops: the outermost and innermost
+    profiler events around the allocation)."""
 
     _PREFIX = "view_fuzz::"
 
     def __init__(self) -> None:
         self.live: dict[str, int] = {}
-        self.blocks: dict[str, list[tuple[int, str]]] = {}
+        self.blocks: dict[str, list[tuple[int, str, str]]] = {}
         self.peak = 0
         self._prof: Any = None
 
@@ -167,15 +168,17 @@ class AllocatorTrace:
                 stream.append((t, 1, (ptr, 0, ""), -born.pop(ptr)[0]))
         stream.sort(key=lambda s: (s[0], s[1]))
         live = 0
-        alive: dict[int, tuple[int, str]] = {}
+        alive: dict[int, tuple[int, str, str]] = {}
+        last = ""
         for _, kind, value, delta in stream:
             if kind == 0:
                 self.live[value] = live
                 self.blocks[value] = sorted(alive.values())
+                last = value
                 continue
             ptr, nbytes, op = value
             if delta > 0:
-                alive[ptr] = (nbytes, op)
+                alive[ptr] = (nbytes, op, last)
             else:
                 alive.pop(ptr, None)
             live += delta
@@ -859,7 +862,7 @@ class Outcome:
     kept: int = 0
     leaked: int = 0
     alive: list[str] = field(default_factory=list)  # weak references still alive
-    kept_blocks: list[tuple[int, str]] = field(default_factory=list)  # (bytes, op) alive at backward
+    kept_blocks: list[tuple[int, str]] = field(default_factory=list)  # (bytes, op) made in forward, alive at backward
 
 
 def _compare(got: Outcome, what: str, values: Any, refs: list) -> None:
@@ -939,7 +942,7 @@ def run_variant(program: Program, variant: str, ref: Reference | None, backward:
             trace.mark("end")
         got.kept = trace.live.get("backward", 0) - trace.live.get("forward", 0)
         got.leaked = trace.live.get("end", 0)
-        got.kept_blocks = trace.blocks.get("backward", [])
+        got.kept_blocks = [(n, op) for n, op, born in trace.blocks.get("backward", []) if born == "forward"]
         if "graph" in box:
             refs.append(("the region's graph", box["graph"]))
         got.alive = [name for name, r in refs if r() is not None]
