@@ -231,7 +231,6 @@ class Program:
     seed: int
     stmts: list[str]  # each a statement or a block, without the function's indent
     outputs: list[str]
-    random_ops: int
     save_list: tuple = ()
 
     def source(self) -> str:
@@ -250,8 +249,16 @@ class Program:
         return ns["make"]
 
     @property
+    def random_ops(self) -> int:
+        """Calls of random ops in the source (a loop body counts once)."""
+        return sum(len(_RANDOM_CALL.findall(st)) for st in self.stmts)
+
+    @property
     def has_rng(self) -> bool:
         return self.random_ops > 0
+
+
+_RANDOM_CALL = re.compile(r"\b(?:rand_like|randn_like|dropout|rand|randn|bernoulli_)\(")
 
 
 def _shape_str(shape: tuple[int, ...]) -> str:
@@ -270,7 +277,6 @@ class Generator:
         self.index: list[Index] = []
         self.masks: list[Index] = []
         self.stmts: list[str] = []
-        self.random_ops = 0
         self.random_kinds: set = set()
         self.n = 0
         leaf = lambda: Root("leaf", True)  # noqa: E731
@@ -626,7 +632,6 @@ class Generator:
         elif kind == "dropout":
             if d.multi:
                 return
-            self.random_ops += 1
             self.random_kinds.add(aten.bernoulli_.float)
             line = f"F.dropout({d.name}, 0.25, training=True, inplace=True)"
         else:
@@ -670,13 +675,11 @@ class Generator:
             self.new_root(name, u.shape[:d] + u.shape[d + 1:], u.root.rg)
         elif r < 0.9:
             fn = rng.choice(["torch.rand_like", "torch.randn_like"])
-            self.random_ops += 1
             self.random_kinds.add(aten.rand_like.default if fn == "torch.rand_like" else aten.randn_like.default)
             self.stmts.append(f"{name} = {u.name} * {fn}({u.name})")
             self.read([u], saves=True)
             self.new_root(name, u.shape, u.root.rg)
         else:
-            self.random_ops += 1
             self.random_kinds.add(aten.bernoulli_.float)
             self.stmts.append(f"{name} = F.dropout({u.name}, 0.3, training=True)")
             self.new_root(name, u.shape, u.root.rg)
@@ -738,8 +741,8 @@ class Generator:
         else:
             src, _ = self.src((2 * R,), grad=False)
             self.stmts.append(f"{p} = {src}.argsort(stable=True)")
-        self.stmts.append(f"{nx} = torch.empty_like({o})")
-        self.stmts.append(f"{nx}[{p}] = {o}")
+        # one statement: the minimizer must not leave the buffer unwritten (empty memory)
+        self.stmts.append(f"{nx} = torch.empty_like({o})\n{nx}[{p}] = {o}")
         e, _ = self.src((R, 2))
         self.stmts.append(f"{wt} = {e}.softmax(-1)")
         self.stmts.append(f"{r} = {nx}.view({R}, 2, -1).type({wt}.dtype).mul_({wt}.unsqueeze(-1)).sum(1)")
@@ -783,7 +786,7 @@ class Generator:
             save = tuple(rng.sample(SAVE_CANDIDATES, rng.randint(1, 3)))
             if self.random_kinds and rng.random() < 0.5:  # a saved random op (cause I)
                 save = tuple(dict.fromkeys(save + (rng.choice(sorted(self.random_kinds, key=str)),)))
-        return Program(self.seed, self.stmts, outs, self.random_ops, save)
+        return Program(self.seed, self.stmts, outs, save)
 
 
 def generate(seed: int) -> Program:
@@ -1033,11 +1036,18 @@ def usable_reference(torch_run: Outcome) -> bool:
 def extra_blocks(got: Outcome, against: Outcome) -> list[tuple[int, str]]:
     """The blocks alive when backward starts in ``got`` with no block of the same size
     alive in ``against`` (size, allocating op): which tensors ac2 keeps that torch does not."""
-    rest = [size for size, _ in against.kept_blocks]
+    rest = list(against.kept_blocks)
+    unmatched = []
+    for blk in got.kept_blocks:  # the same size and ops first, then the same size
+        if blk in rest:
+            rest.remove(blk)
+        else:
+            unmatched.append(blk)
+    sizes = [size for size, _ in rest]
     extra = []
-    for size, op in got.kept_blocks:
-        if size in rest:
-            rest.remove(size)
+    for size, op in unmatched:
+        if size in sizes:
+            sizes.remove(size)
         else:
             extra.append((size, op))
     return extra
@@ -1145,24 +1155,20 @@ def minimize(failure: Failure, budget_s: float = 30.0) -> Program:
         for k in reversed(range(len(prog.stmts))):
             if k >= len(prog.stmts) or time.monotonic() > deadline:
                 continue
-            cand = Program(prog.seed, prog.stmts[:k] + prog.stmts[k + 1:], prog.outputs, prog.random_ops,
-                           prog.save_list)
+            cand = Program(prog.seed, prog.stmts[:k] + prog.stmts[k + 1:], prog.outputs, prog.save_list)
             if _still_fails(cand, failure):
                 prog, changed = cand, True
         for k in reversed(range(len(prog.outputs))):
             if len(prog.outputs) > 1:
-                cand = Program(prog.seed, prog.stmts, prog.outputs[:k] + prog.outputs[k + 1:], prog.random_ops,
-                               prog.save_list)
+                cand = Program(prog.seed, prog.stmts, prog.outputs[:k] + prog.outputs[k + 1:], prog.save_list)
                 if _still_fails(cand, failure):
                     prog, changed = cand, True
         for k in reversed(range(len(prog.save_list))):
             if len(prog.save_list) > 1:
-                cand = Program(prog.seed, prog.stmts, prog.outputs, prog.random_ops,
-                               prog.save_list[:k] + prog.save_list[k + 1:])
+                cand = Program(prog.seed, prog.stmts, prog.outputs, prog.save_list[:k] + prog.save_list[k + 1:])
                 if _still_fails(cand, failure):
                     prog, changed = cand, True
-    rnd = sum(prog.source().count(s) for s in ("rand_like", "randn_like", "dropout"))
-    return Program(prog.seed, prog.stmts, prog.outputs, rnd, prog.save_list)
+    return prog
 
 
 CAUSES = {
@@ -1175,6 +1181,9 @@ CAUSES = {
     "G": "a view write whose derivative needs the old value keeps the buffer (kept > torch)",
     "H": "tensors made outside the dispatcher (literals, setitem scalars) kept (kept > torch)",
     "I": "one generator state per saved random op (kept > torch)",
+    "J": "(not in the issue) a shape-only read of a region input (empty_like(b), rand_like(b), "
+         "b.new_zeros, in-place dropout's empty_like) counts as a value read: ac2 copies the input before "
+         "a later write and keeps the copy as long as the reader's node lives (kept > torch)",
 }
 _SCALAR_SETITEM = re.compile(r"^(\s*\w+\[[^\n]*\]) = ([-0-9.]+(?: \* i)?)$", re.M)
 
@@ -1200,7 +1209,7 @@ def without_outside_tensors(program: Program) -> Program:
     """``program`` with its literals and setitem scalars made by ATen ops: the H test."""
     stmts = [_SCALAR_SETITEM.sub(r"\1 = torch.full((), \2)", st.replace("torch.tensor(", "aten_tensor("))
              for st in program.stmts]
-    return Program(program.seed, stmts, program.outputs, program.random_ops, program.save_list)
+    return Program(program.seed, stmts, program.outputs, program.save_list)
 
 
 def _index_put_into_fresh(program: Program) -> bool:
@@ -1224,6 +1233,28 @@ def _index_put_into_fresh(program: Program) -> bool:
     return False
 
 
+_SHAPE_READS = (  # (pattern, replacement): a read of h or b for its shape only -> none
+    (re.compile(r"F\.dropout\(([hb]), ([0-9.]+), training=True, inplace=True\)"),
+     r"\1.mul_(F.dropout(torch.ones(tuple(\1.shape)), \2, training=True))"),
+    (re.compile(r"torch\.(rand|randn|empty|zeros|ones)_like\(([hb])\)"), r"torch.\1(tuple(\2.shape))"),
+    (re.compile(r"\b[hb]\.new_(zeros|ones|empty)\("), r"torch.\1("),
+)
+
+
+def without_shape_reads(program: Program) -> Program:
+    """``program`` with nothing reading the state ``h``, ``b`` for its shape only (the J
+    test): ``torch.rand_like(b)`` -> ``torch.rand(tuple(b.shape))``, ``b.new_zeros(s)`` ->
+    ``torch.zeros(s)``, in-place dropout of ``b`` (whose ``empty_like(b)`` reads it) ->
+    ``b.mul_(F.dropout(torch.ones(tuple(b.shape)), p, training=True))``: the same draws,
+    the same values."""
+    stmts = []
+    for st in program.stmts:
+        for pattern, repl in _SHAPE_READS:
+            st = pattern.sub(repl, st)
+        stmts.append(st)
+    return Program(program.seed, stmts, program.outputs, program.save_list)
+
+
 _OLD_VALUE_WRITES = re.compile(r"\.(mul_\((?![-0-9.]+\))|clamp_\(|sin_\(|div_\()")
 
 
@@ -1234,7 +1265,8 @@ def classify(failure: Failure, minimal: Program) -> str:
     hand): a crash naming a list argument is B, another crash A; a wrong gradient through
     ``d.masked_scatter_(m, d)`` C; a leak D; kept bytes: one generator state more with a
     random op in the save list I, a setitem with a tensor index into a made buffer E, a
-    write whose derivative needs the old value G, any other write F."""
+    write whose derivative needs the old value G, any other write F; but first J if
+    reading no state tensor for its shape only ends the failure."""
     kind, detail = failure.kind, failure.detail
     if kind == "crash" and ("found type 'list'" in detail or "Expected a value of type 'Tensor'" in detail):
         return "B"
@@ -1254,6 +1286,9 @@ def classify(failure: Failure, minimal: Program) -> str:
         state = torch.get_rng_state().nbytes
         if any(op in RANDOM_OPS for op in minimal.save_list) and minimal.random_ops >= 2 and excess % state == 0:
             return "I"
+        unshaped = without_shape_reads(plain)
+        if unshaped.source() != plain.source() and not _still_fails(unshaped, failure):
+            return "J"
         if _index_put_into_fresh(plain):
             return "E"
         if _OLD_VALUE_WRITES.search(src):
