@@ -478,7 +478,7 @@ def test_I_one_generator_state_per_region_with_a_saved_random_op(python):
     assert states == 1, f"{states} generator states kept from forward to backward: {got.kept_blocks}"
 
 
-# ---- the Hugging Face patterns --------------------------------------------------------
+# ---- the Hugging Face patterns and allow_cache_entry_mutation ---------------------------
 
 
 def _deepseek_v2_moe():
@@ -539,6 +539,9 @@ def _nllb_moe_sparse_mlp():
 
 
 HF_PATTERNS = pytest.mark.parametrize("make", [_deepseek_v2_moe, _nllb_moe_sparse_mlp], ids=["deepseek_v2", "nllb_moe"])
+ALLOW_CASES = pytest.mark.parametrize(
+    "make", [_deepseek_v2_moe, _nllb_moe_sparse_mlp, _a_region_input_written_through_its_view],
+    ids=["deepseek_v2", "nllb_moe", "A_view"])
 
 
 @RECORDERS
@@ -548,7 +551,7 @@ def test_hf_moe_pattern_matches_eager_and_keeps_no_more_than_torch(make, python)
 
 
 @RECORDERS
-@HF_PATTERNS
+@ALLOW_CASES
 def test_allow_cache_entry_mutation_never_gives_wrong_gradients(make, python):
     """Either eager's gradients, or a clear error that does not suggest the option."""
     want = run(make, eager)
@@ -561,3 +564,35 @@ def test_allow_cache_entry_mutation_never_gives_wrong_gradients(make, python):
         if not bitwise_equal(a, b):
             pytest.fail(f"allow_cache_entry_mutation=True gives a wrong gradient {k}: "
                         f"max abs {(a - b).abs().max().item()}")
+
+
+def _written_after_the_region(x, allow: bool | None):
+    """(``allow=None``: eager.) A buffer the region fills with ``index_put_`` and reads (``buf * 3.0`` is replayed
+    from it), written in place after the region: eager's gradient does not depend on
+    the write (sin keeps its own input)."""
+    eager_run = allow is None
+    region = contextlib.nullcontext() if eager_run else ac.apply_ac_policy("recompute_all", allow_cache_entry_mutation=allow)
+    with region:
+        buf = torch.zeros(4, 6)
+        buf[torch.arange(4).flip(0)] = x * 1.0
+        y = (buf * 3.0).sin()
+    buf.add_(1.0)
+    return torch.autograd.grad(y.sum(), x)[0]
+
+
+@pytest.mark.parametrize("allow", [False, True], ids=["default", "allow_cache_entry_mutation"])
+def test_write_after_the_region_gives_eager_gradients_or_an_error_suggesting_nothing_wrong(allow):
+    """Either eager's gradient, or an error; no error suggests an option that would give
+    a wrong gradient, and the option never gives one."""
+    x0 = torch.randn(4, 6, generator=torch.Generator().manual_seed(5))
+    want = _written_after_the_region(x0.clone().requires_grad_(), None)
+    try:
+        got = _written_after_the_region(x0.clone().requires_grad_(), allow)
+    except RuntimeError as e:
+        wrong = _written_after_the_region(x0.clone().requires_grad_(), True) if not allow else None
+        if "allow_cache_entry_mutation=True" in str(e) and wrong is not None and not bitwise_equal(wrong, want):
+            pytest.fail(f"the error suggests allow_cache_entry_mutation=True, which gives a wrong gradient "
+                        f"(max abs {(wrong - want).abs().max().item():.3g}): {e}")
+        return
+    if not bitwise_equal(got, want):
+        pytest.fail(f"gradient differs from eager's: max abs {(got - want).abs().max().item():.3g}")
