@@ -78,15 +78,43 @@ def _deepseek_v3():
         qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=64, n_group=1, topk_group=1))
 
 
+def _deepseek_v2():
+    """Routed experts that write a buffer they made. transformers 4.57's ``moe()``
+    scatters the expert outputs into ``torch.empty_like`` and weighs them through a view
+    of it (issue 44: ac2 raised in backward); 5.x adds them with ``index_add_`` into
+    ``zeros_like``. tests/test_view_writes.py has the 4.57 pattern itself."""
+    return T.DeepseekV2ForCausalLM(T.DeepseekV2Config(
+        vocab_size=V, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, head_dim=8, max_position_embeddings=64))
+
+
+def _nllb_moe():
+    """Encoder-decoder with sparse MLPs every second layer, top-2 routing and token
+    dropout in the experts. transformers 4.57 writes ``masked[idx, tok] =
+    expert(masked[idx, tok])`` into an einsum-made buffer (issue 44: ac2 raised in
+    backward); 5.x adds the outputs with ``index_add_``."""
+    return T.NllbMoeForConditionalGeneration(T.NllbMoeConfig(
+        vocab_size=V, d_model=64, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=128, decoder_ffn_dim=128,
+        encoder_attention_heads=4, decoder_attention_heads=4, num_experts=4, expert_capacity=16,
+        encoder_sparse_step=2, decoder_sparse_step=2, max_position_embeddings=64, encoder_layerdrop=0.0,
+        decoder_layerdrop=0.0, dropout=0.1, attention_dropout=0.1, moe_token_dropout=0.2))
+
+
 MODELS = {"llama": _llama, "gpt2": _gpt2, "bert": _bert, "vit": _vit, "mixtral": _mixtral,
-          "gpt-oss": _gpt_oss, "swin": _swin, "deepseek-v3": _deepseek_v3}
+          "gpt-oss": _gpt_oss, "swin": _swin, "deepseek-v3": _deepseek_v3, "deepseek-v2": _deepseek_v2,
+          "nllb-moe": _nllb_moe}
 
 
 def _inputs(model) -> dict:
     g = torch.Generator().manual_seed(1)
     if "pixel_values" in model.main_input_name:
         return {"pixel_values": torch.randn(B, 3, 32, 32, generator=g)}
-    return {"input_ids": torch.randint(0, V, (B, S), generator=g)}
+    inputs = {"input_ids": torch.randint(0, V, (B, S), generator=g)}
+    if model.config.is_encoder_decoder:
+        inputs["decoder_input_ids"] = torch.randint(0, V, (B, S // 2), generator=g)
+    return inputs
 
 
 def _layer_types(model) -> list[type]:
