@@ -356,8 +356,38 @@ class Graph(Replayer):
         return node
 
     def close_map(self) -> None:
-        """Forward ended: drop the tensor map (its entries keep nodes alive)."""
+        """Forward ended: drop the tensor map (its entries keep nodes alive) and the
+        random ops no replay will pass (Note [Chains end at their last needed op])."""
         self.map = self._entries = self.held = None
+        self.open_chains = {}
+        if self.rng_chains:
+            self._trim_chains()
+
+    def _trim_chains(self) -> None:
+        """Note [Chains end at their last needed op]
+            A random op's node stays in its generator's chain (with its inputs) so that
+            a replay of a later random op can run it first. Once forward has ended, a
+            chain's last ops that nothing reads (no recorded reader, no live autograd
+            handle: a dropout whose output the program dropped) are never replayed --
+            no later random op needs the generator moved past them -- so they leave
+            the chain, and with them what their inputs held (a region input copied
+            before a later write, a recomputed producer). A chain left empty drops its
+            generator state.
+        """
+        handled = set()
+        for r in self._handle_refs:
+            h = r()
+            if h is not None:
+                handled.add(id(h.node))
+        for chain in self.rng_chains:
+            nodes = chain.nodes
+            k = len(nodes)
+            while k and not nodes[k - 1].readers and id(nodes[k - 1]) not in handled:
+                k -= 1
+            if k < len(nodes):
+                del nodes[k:]
+                if not nodes:
+                    chain.start = chain.state = None
 
     def _grow_uses(self, end: int) -> None:
         """Make room for counters up to ``end`` (Note [Use counts live in one array])."""
@@ -387,7 +417,7 @@ class Graph(Replayer):
             version=version, offload=self.offload,
         )
         node.set_saved(0, saved)
-        self.held.add(node, 0)
+        self.held.add(node)
         self.stats.saved_nodes += 1
         self.map.set(t, node, 0, version)
         return node
@@ -397,7 +427,7 @@ class Graph(Replayer):
         region] in _writes.py)."""
         node = self.new_node(None, 1, fqn)
         node.set_saved(0, Literal(t))
-        self.map.set(t, node, 0, None)
+        self.map.set(t, node, 0, version_of(t))  # a write through a view makes it stale
         return node
 
     def ref(self, t: torch.Tensor, allow_mutation: bool) -> tuple[Node, int]:
@@ -469,7 +499,7 @@ class Graph(Replayer):
                        offload=self.offload)
         )
         if self.held is not None:
-            self.held.add(node, idx)
+            self.held.add(node)
         if node.op is None:
             return
         uses, seq = self.uses, node.seq

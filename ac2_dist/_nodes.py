@@ -277,6 +277,10 @@ class Node:
     # Accumulator arguments a replay fills with scratch zeros, as (position, shape,
     # dtype, device) (Note [Statistics an op accumulates] in side_effects.py).
     scratch: tuple = ()
+    # Arguments read for their metadata only, as (position, sizes, strides, dtype,
+    # device): the replay passes a new empty tensor (Note [Arguments read for their
+    # shape] in _writes.py).
+    like: tuple = ()
     # Positions of a replayable write's arguments that are the written tensor itself: the
     # replay passes them the written tensor (Note [Writes inside a region] in _writes.py).
     same: tuple = ()

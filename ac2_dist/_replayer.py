@@ -252,6 +252,8 @@ class Replayer:
                 args[pos] = written
             else:
                 kwargs[pos] = written
+        for pos, size, stride, dtype, device in node.like:  # Note [Arguments read for their shape] (_writes.py)
+            args[pos] = torch.empty_strided(size, stride, dtype=dtype, device=device)
         for pos, shape, dtype, device in node.scratch:  # Note [Statistics an op accumulates]
             args[pos] = torch.zeros(shape, dtype=dtype, device=device)
         chain = None

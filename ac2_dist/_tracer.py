@@ -109,7 +109,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._graph import Graph
 from ._nodes import NO_KWARGS, Handle, MapEntry, Node, Saved, alias, flatten_outputs, version_of
 from ._policy import PolicyContext, _Frame, is_save, resolve
-from ._writes import literal, same_as_written, stale_view
+from ._writes import is_literal, literal, same_as_written, stale_view
 from .compile import COMPILER_STATE as _COMPILER
 from .compile import skip_dynamo as _skip_dynamo
 from .replay import default_generator
@@ -124,6 +124,8 @@ _CP = torch.utils.checkpoint.CheckpointPolicy
 _Tensor = torch.Tensor
 _inference_mode = torch.is_inference_mode_enabled
 _weakref = weakref.ref
+# Tensors a replay can stand in for by an empty tensor of the same metadata (no subclass).
+_PLAIN = (_Tensor, torch.nn.Parameter)
 # Enum members as module constants: ``_CP.MUST_RECOMPUTE`` is a class attribute lookup
 # through the enum's metaclass, ~5x a global's cost, once per recorded op.
 _MUST_RECOMPUTE = _CP.MUST_RECOMPUTE
@@ -407,7 +409,6 @@ class Tracer(TorchDispatchMode):
                     graph.open_chains.clear()
                 node = graph.new_node(func, len(flat), inner.module_fqn)
             graph.stats.saved_nodes += 1
-            pending = graph.held.pending
             keep_base = not info.returns_alias
             counter = alias(src) if src is not None and view_version is not None else None
             for i, o in enumerate(flat):
@@ -423,7 +424,8 @@ class Tracer(TorchDispatchMode):
                               keep_identity=keep, owner=info.owner, version=version,
                               counter=counter, offload=graph.offload),
                     )
-                    pending.append((_weakref(node), i))  # Note [Held values are found by storage] (_writes.py)
+            graph.held.pending.append(_weakref(node))  # Note [Held values are found by storage] (_writes.py)
+
         if (
             single and src is None and not writes and not types and not info.returns_alias
             and not info.fresh_output and args and isinstance(args[0], _Tensor)
@@ -500,8 +502,8 @@ class Tracer(TorchDispatchMode):
                 node.set_saved(i, Saved(o, decision, reason="policy", allow_mutation=inner.allow_mutation,
                                         keep_identity=False, owner=f"output of {func}",
                                         offload=graph.offload))
-                graph.held.add(node, i)
                 graph.map.set(o, node, i, version_of(o))
+        graph.held.add(node)  # Note [Held values are found by storage] (_writes.py)
         returned = {id(o) for o in flat}
         for t in inputs:
             if id(t) not in returned:
@@ -552,10 +554,11 @@ class Tracer(TorchDispatchMode):
                 return False
             node, idx = e.node, e.idx
             # Views of it and reads of it before the write are fine: the replay copies what
-            # others still need (Note [Writes inside a region] in _writes.py).
-            if node.op is None or node.aliased or node.cut or (
+            # others still need (Note [Writes inside a region] in _writes.py). A literal
+            # Python made in the region is a value the region made.
+            if not is_literal(node, idx) and (node.op is None or node.aliased or node.cut or (
                 node.saved is not None and node.saved[idx] is not None
-            ):
+            )):
                 return False
             partner = node.alias_of
             if partner is not None:  # Note [Aliases a schema does not declare]
@@ -580,6 +583,8 @@ class Tracer(TorchDispatchMode):
         node, idx = e.node, e.idx
         steps: list[tuple] = []
         while True:
+            if node is eb.node and idx == eb.idx and is_literal(node, idx):
+                break  # a literal's view (Note [Writes inside a region] in _writes.py)
             # Reads of the base or of a view before the write are fine (Note [Writes inside
             # a region] in _writes.py); a value autograd holds is not (eager's own check).
             if (node.op is None or node.cut or node.held
@@ -656,6 +661,7 @@ class Tracer(TorchDispatchMode):
         view_src = info.view_src
         gmap_get = graph.map._d.get
         zeroed: tuple = ()  # Note [Statistics an op accumulates] (side_effects.py)
+        like: tuple = ()
         lists = False  # args/kwargs hold lists with tensor slots
         for i, a in enumerate(args):
             if isinstance(a, _Tensor):
@@ -663,6 +669,9 @@ class Tracer(TorchDispatchMode):
                     zeroed += ((i, a.shape, a.dtype, a.device),)
                     continue
                 if same and i in same:  # filled with the written tensor (Note [Writes inside a region])
+                    continue
+                if i in info.shape_only and type(a) in _PLAIN:  # Note [Arguments read for their shape] (_writes.py)
+                    like += ((i, tuple(a.size()), tuple(a.stride()), a.dtype, a.device),)
                     continue
                 e = gmap_get(id(a))
                 if e is not None and e() is a and ((v := e.version) is None or v == a._version):
@@ -707,6 +716,8 @@ class Tracer(TorchDispatchMode):
             node.kwargs = tkw
         if zeroed:
             node.scratch = zeroed
+        if like:
+            node.like = like
         if lists:
             node.lists = True
         return node

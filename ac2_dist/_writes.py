@@ -48,7 +48,18 @@ Note [Writes inside a region]
     Tensors Python makes outside the dispatcher and hands to an op -- a literal
     ``torch.tensor([...])``, the 0-d tensor a scalar becomes in ``buf[i] = 0.5`` --
     reach the tracer through ``aten.lift_fresh``; a small one on the CPU is remembered
-    by value, as the program's own code remembers the literal (:func:`literal`).
+    by value, as the program's own code remembers the literal (:func:`literal`). Such a
+    literal is a value the region made: a write into it (or through its view) is
+    replayed like a write into a computed value (each read of a literal is a new
+    tensor).
+
+Note [Arguments read for their shape]
+    ``empty_like(b)``, ``zeros_like``, ``rand_like``, ``b.new_zeros(...)`` ... read only
+    their tensor argument's sizes, strides, dtype and device. The tracer records that
+    metadata instead of an input (``Node.like``), and the replay passes a new
+    uninitialised tensor with it: the op depends on no value, so nothing is kept,
+    recomputed or copied for it (a region input read only for its shape and written
+    later needs no copy before the write).
 """
 
 from __future__ import annotations
@@ -111,25 +122,27 @@ class HeldStorages:
     __slots__ = ("pending", "_by_storage")
 
     def __init__(self) -> None:
-        # (weak reference to a node, output index) listed since the last write; the
-        # tracer's save path appends to it directly (one call less per saved value).
-        self.pending: list[tuple[weakref.ref, int]] = []
+        # Weak references to nodes that hold values, listed since the last write (one
+        # per node, not per output: one object per saved node for the collector); the
+        # tracer's save path appends to it directly (one call less per saved node).
+        self.pending: list[weakref.ref] = []
         self._by_storage: dict[int, list[tuple[weakref.ref, int]]] = {}
 
-    def add(self, node: Node, idx: int) -> None:
-        self.pending.append((weakref.ref(node), idx))
+    def add(self, node: Node) -> None:
+        self.pending.append(weakref.ref(node))
 
     def _file(self) -> None:
         by_storage = self._by_storage
-        for entry in self.pending:
-            node = entry[0]()
+        for ref in self.pending:
+            node = ref()
             if node is None or node.saved is None:
                 continue
-            t = _on_storage(node.saved[entry[1]])
-            if t is not None:
-                key = storage_key(t)
-                if key is not None:
-                    by_storage.setdefault(key, []).append(entry)
+            for idx, s in enumerate(node.saved):
+                t = _on_storage(s)
+                if t is not None:
+                    key = storage_key(t)
+                    if key is not None:
+                        by_storage.setdefault(key, []).append((ref, idx))
         self.pending = []
 
     def before_write(self, written: Any) -> None:
@@ -227,6 +240,12 @@ class Literal:
         if not self.data:
             return torch.empty(self.shape, dtype=self.dtype)
         return torch.frombuffer(bytearray(self.data), dtype=self.dtype).reshape(self.shape)
+
+
+def is_literal(node: Node, idx: int) -> bool:
+    """``node[idx]`` is a literal remembered by value: a value the region made, which a
+    write may replay into (each read of it is a new tensor)."""
+    return node.op is None and node.saved is not None and type(node.saved[idx]) is Literal
 
 
 def literal(func: Any, args: tuple) -> torch.Tensor | None:

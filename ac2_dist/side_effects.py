@@ -130,6 +130,10 @@ class OpInfo:
     #: write is never replayed (Note [Writes inside a region] in _writes.py). Index lists
     #: (``index_put_``'s ``Tensor?[]``) are read, not written.
     written_lists: bool = False
+    #: Positions of tensor arguments the op reads only for their sizes, strides, dtype
+    #: and device (``empty_like``, ``new_zeros``, ``rand_like`` ...): Note [Arguments read
+    #: for their shape] in _writes.py.
+    shape_only: tuple[int, ...] = ()
 
     def writes(self, args: tuple) -> bool:
         """True if this call writes one of its arguments."""
@@ -368,7 +372,16 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
         call=call,
         guarded=guarded,
         written_lists=written_lists,
+        shape_only=(0,) if op.namespace == "aten" and schema.name in _SHAPE_ONLY else (),
     )
+
+
+# Ops whose ``self`` is read only for its metadata (Note [Arguments read for their shape]
+# in _writes.py); every overload takes ``self`` first.
+_SHAPE_ONLY = frozenset(f"aten::{name}" for name in (
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+    "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
+))
 
 
 # What ``OpOverload.__call__`` reads, in the two shapes the tracer skips (Note [The

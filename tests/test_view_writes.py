@@ -478,6 +478,82 @@ def test_I_one_generator_state_per_region_with_a_saved_random_op(python):
     assert states == 1, f"{states} generator states kept from forward to backward: {got.kept_blocks}"
 
 
+# ---- what the fixed fuzz budget found after A-I: literals written, shape-only reads, ---
+# ---- random ops nobody needs ----------------------------------------------------------
+
+
+def _literal_written(via_view: bool):
+    """A literal Python made in the region, written in place (directly or through its
+    view) and read again: a value the region made, replayed; the read after a write
+    through its view sees the written bytes (fuzzer seeds 7, 94)."""
+
+    def make():
+        x, y = _leaves((4,), (4,))
+
+        def fn(x, y):
+            s = torch.tensor([0.5, 1.0, 2.0, 3.0])
+            if via_view:
+                s[1:3].mul_(y.detach()[:2])
+            else:
+                s.copy_(y.detach()).sin_()
+            return (x * s).sin()
+
+        return [x, y], (x, y), fn
+
+    return make
+
+
+@RECORDERS
+@pytest.mark.parametrize("via_view", [False, True], ids=["direct", "through_a_view"])
+def test_literal_written_in_place_is_replayed_and_read_as_written(via_view, python):
+    check(_literal_written(via_view), ac2_checkpoint, python=python)
+
+
+def _shape_only_read_of_a_written_input():
+    """``b`` (captured state) read only for its shape, then written through a view: no
+    copy of ``b`` is needed, torch keeps none (fuzzer class J, seed 36)."""
+    (x,) = _leaves((4, 6))
+    b = torch.linspace(-1, 1, 24).view(4, 6)
+
+    def fn(x):
+        t = b.new_zeros((4, 6)) + torch.empty_like(b).fill_(0.5)
+        y = (t * x).sin()
+        b[:, :3].mul_(0.5)
+        return y
+
+    return [x], (x,), fn
+
+
+@RECORDERS
+def test_an_argument_read_for_its_shape_is_neither_kept_nor_copied(python):
+    check(_shape_only_read_of_a_written_input, ac2_checkpoint, python=python)
+
+
+def _unused_random_op_reading_a_written_input():
+    """A dropout whose output the program drops, reading ``b`` that a later write changes:
+    nothing replays it, so neither it nor the copy of ``b`` stays (fuzzer seed 50)."""
+    (w,) = _leaves((4, 6))
+    b = torch.linspace(-1, 1, 24).view(4, 6)
+
+    def fn(w):
+        r = w * torch.randn_like(w)
+        F.dropout(b, 0.3, training=True)  # output dropped
+        b[..., ::2].fill_(0.75)
+        return r
+
+    return [w], (w,), fn
+
+
+@RECORDERS
+def test_random_ops_nobody_needs_leave_their_chain(python):
+    check(_unused_random_op_reading_a_written_input, ac2_region("recompute_all", rng="replay"), python=python,
+          reference=_torch_with_rng_state)
+
+
+def _torch_with_rng_state(fn, args, box):
+    return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+
+
 # ---- the Hugging Face patterns and allow_cache_entry_mutation ---------------------------
 
 
