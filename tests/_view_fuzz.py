@@ -83,6 +83,7 @@ import torch
 import torch.nn.functional as F
 from torch._C._profiler import _ExtraFields_Allocation
 from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
@@ -1026,6 +1027,68 @@ class Result:
     figures: dict[str, Outcome] = field(default_factory=dict)
 
 
+class _OpValues(TorchDispatchMode):
+    """Records the outputs of the ops a function runs, per call of that function: the
+    forward call of a torch checkpoint and its recompute (Note [A reference must recompute
+    what forward computed])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[list[tuple[str, list]]] = []
+        self.depth = 0
+
+    def wrap(self, fn: Callable) -> Callable:
+        def counted(*args: Any) -> Any:
+            self.calls.append([])
+            self.depth += 1
+            try:
+                return fn(*args)
+            finally:
+                self.depth -= 1
+        return counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.depth:
+            flat = [o.detach().clone() for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+            self.calls[-1].append((str(func), flat))
+        return out
+
+
+def torch_recompute_is_faithful(program: Program) -> bool:
+    """Note [A reference must recompute what forward computed]
+        Torch's checkpoint re-runs the region's Python in backward. After the region
+        wrote the state it read (``h``, ``b``) its recompute computes from the written
+        values: another program. Its gradients can still be eager's by coincidence (a
+        mask whose positions the write did not move, a value multiplied by zero), and
+        then its kept bytes look like a reference while they are not one (it keeps
+        nothing because it recomputes the wrong thing). So torch's figures count only
+        where every op its recompute ran produced forward's values bitwise (untraced
+        run: the recording's copies would count as kept bytes)."""
+    make = program.compile()
+    leaves, args, state = _make_args(_inputs(program.seed))
+    fn = make(*state)
+    rec = _OpValues()
+    try:
+        with rec:
+            torch.manual_seed(program.seed)
+            outs = torch_checkpoint(rec.wrap(fn), *args, use_reentrant=False, preserve_rng_state=program.has_rng)
+            loss = _loss(program.seed, outs, state)
+            if loss is not None:
+                torch.autograd.grad(loss, leaves, allow_unused=True)
+    except Exception:  # noqa: BLE001 - no reference then
+        return False
+    if len(rec.calls) < 2:
+        return True  # nothing recomputed
+    forward, again = rec.calls[0], rec.calls[1]
+    if len(again) > len(forward):
+        return False
+    for (op_a, vals_a), (op_b, vals_b) in zip(forward, again):
+        if op_a != op_b or len(vals_a) != len(vals_b) or not all(bitwise_equal(a, b) for a, b in zip(vals_a, vals_b)):
+            return False
+    return True
+
+
 def usable_reference(torch_run: Outcome) -> bool:
     """Torch's kept bytes are a reference only where its run reproduced eager's: its
     recompute re-runs the region's Python, so after a write to the state (``h``, ``b``)
@@ -1062,6 +1125,10 @@ def check_program(program: Program, variants: list[tuple[str, bool]] | None = No
     if base.error is not None:
         return Result("discarded", f"torch's checkpoint raises {base.error}")
     res = Result("ok", figures={"eager": run_variant(program, "eager", ref), "torch": base})
+    faithful = usable_reference(base) and torch_recompute_is_faithful(program)
+    if not faithful:  # Note [A reference must recompute what forward computed]
+        base.outs_equal = False
+        base.detail += "torch's recompute computed other values than its forward; "
     res.torch_wrong = not usable_reference(base)
     sac: Outcome | None = None
     for variant, python in variants or AC2_VARIANTS:
@@ -1089,7 +1156,7 @@ def check_program(program: Program, variants: list[tuple[str, bool]] | None = No
             against, against_name = sac, "torch's selective checkpoint (same save list)"
         else:
             against, against_name = base, "torch's checkpoint"
-        if usable_reference(against) and got.kept > against.kept:
+        if faithful and usable_reference(against) and got.kept > against.kept:
             res.failures.append(fail("kept", f"kept {got.kept} B after forward, {against_name} {against.kept} B "
                                              f"(+{got.kept - against.kept}; blocks only ac2 keeps: "
                                              f"{extra_blocks(got, against)})"))
