@@ -284,6 +284,9 @@ class Node:
     # Positions of a replayable write's arguments that are the written tensor itself: the
     # replay passes them the written tensor (Note [Writes inside a region] in _writes.py).
     same: tuple = ()
+    # Other views of the written storage among a replayable write's arguments, as
+    # (position, sizes, strides, storage offset): re-made from the written base.
+    rebuilt: tuple = ()
 
     def __repr__(self) -> str:
         return f"Node({self.op or 'input'}, seq={self.seq})"

@@ -231,8 +231,8 @@ class Replayer:
                     # replayed write owns its storage]).
                     v = v.clone()
                     cloned += tensor_nbytes(v)
+                base = v
                 if node.via is not None:  # Note [Writes through views of fresh tensors]
-                    base = v
                     for op, vargs, vkwargs, src, k in node.via:
                         vargs = list(vargs)
                         vargs[src] = v
@@ -252,6 +252,8 @@ class Replayer:
                 args[pos] = written
             else:
                 kwargs[pos] = written
+        for pos, size, stride, offset in node.rebuilt:  # other views of the written storage
+            (args if type(pos) is int else kwargs)[pos] = torch.as_strided(base, size, stride, offset)
         for pos, size, stride, dtype, device in node.like:  # Note [Arguments read for their shape] (_writes.py)
             args[pos] = torch.empty_strided(size, stride, dtype=dtype, device=device)
         for pos, shape, dtype, device in node.scratch:  # Note [Statistics an op accumulates]
@@ -261,7 +263,7 @@ class Replayer:
             chain = self.rng_chains[node.rng[0]]
             self._advance(chain, node.rng[1])
         flat = flatten_outputs(self.executor.run(node, args, kwargs, chain))
-        if base is not None:
+        if node.via is not None:  # the written base is the last output
             flat.append(base)
         stats = self.stats
         stats.recomputed_ops += 1

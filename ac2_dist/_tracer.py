@@ -109,7 +109,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._graph import Graph
 from ._nodes import NO_KWARGS, Handle, MapEntry, Node, Saved, alias, flatten_outputs, version_of
 from ._policy import PolicyContext, _Frame, is_save, resolve
-from ._writes import is_literal, literal, same_as_written, stale_view
+from ._writes import is_literal, literal, stale_view, write_aliases
 from .compile import COMPILER_STATE as _COMPILER
 from .compile import skip_dynamo as _skip_dynamo
 from .replay import default_generator
@@ -294,7 +294,7 @@ class Tracer(TorchDispatchMode):
         rng = None
         writes = info.written and info.writes(args)
         fresh = accum = False
-        written = via = None
+        written = via = aliases = None
         if writes:
             written = self._before_writes(info, args, kwargs)
             if info.accumulators:  # Note [Statistics an op accumulates] (side_effects.py)
@@ -305,6 +305,11 @@ class Tracer(TorchDispatchMode):
                 if not fresh and len(written) == 1:  # Note [Writes through views of fresh tensors]
                     via = self._written_view(written, args, kwargs)
                     fresh = via is not None
+                if fresh:  # Note [Writes inside a region] (_writes.py): arguments on the written storage
+                    aliases = write_aliases(written, via[0] if via is not None else (
+                        next(iter(written.values())) if len(written) == 1 else None), args, kwargs, info.written)
+                    if aliases is None:
+                        fresh, via = False, None
         random = info.is_rng and info.is_random(args, kwargs)
         if random and inner.rng == "replay" and (fresh or not writes):
             gen = info.generator(args, kwargs) or default_generator(_rng_device(args, kwargs))
@@ -380,11 +385,13 @@ class Tracer(TorchDispatchMode):
         if not save:
             # Note [Writes inside a region] (_writes.py): arguments that are the written
             # tensor itself read the written tensor in the replay, not an input of their own.
-            same = same_as_written(written.values(), args, kwargs, info.written) if fresh else ()
+            same, rebuilt = aliases if fresh else ((), ())
             node = self._recomputable(graph, func, info, args, kwargs, len(flat) + (via is not None), inner,
-                                      info.accumulators if accum else (), same)
+                                      info.accumulators if accum else (), same + tuple(r[0] for r in rebuilt))
             if same:
                 node.same = same
+            if rebuilt:
+                node.rebuilt = rebuilt
             if rng is not None:
                 node.rng = (rng.index, len(rng.nodes))
                 rng.nodes.append(node)

@@ -5,7 +5,7 @@ The tracer (``_tracer.py``) asks this module three questions: before an op write
 held values share the written storage (:meth:`HeldStorages.before_write`); for a tensor
 the tensor map does not know as it is now, what it is (:func:`stale_view`,
 :func:`literal`); and, for a write that is replayed, which of the op's other arguments
-are the written tensor itself (:func:`same_as_written`). ``Graph.ref`` and the tracer's
+alias the written storage (:func:`write_aliases`). ``Graph.ref`` and the tracer's
 write path call these; the replay side of the rule is in ``_replayer.py``
 (``Replayer._execute``).
 
@@ -27,7 +27,11 @@ Note [Writes inside a region]
        write that *is* the written tensor (``h.masked_scatter_(mask, h)``: the same
        tensor, or a view with the same storage, offset, sizes and strides) is not a
        separate input: the replay passes it the written tensor, so it reads what it read
-       in forward, the destination as it is being written (:func:`same_as_written`).
+       in forward, the destination as it is being written; another view of the written
+       storage (``v.add_(t.view(...))`` where the two overlap in part) is re-made from
+       the written base by ``as_strided``, so the op reads memory it writes exactly as
+       in forward (:func:`write_aliases`; a write whose aliasing cannot be re-made
+       exactly is a side effect).
        Index arguments (``Tensor?[]`` of ``index_put_``) are ordinary inputs.
     2. **Anything else is a side effect**: a write to a region input, a parameter, a
        saved value (a policy save, a side effect's output), an output of an op that
@@ -262,20 +266,39 @@ def literal(func: Any, args: tuple) -> torch.Tensor | None:
     return t
 
 
-def same_as_written(written: Any, args: tuple, kwargs: dict, positions: tuple) -> tuple:
-    """Positions among ``args``/``kwargs`` (not the written ones) holding the written
-    tensor itself, or a tensor with its storage, offset, sizes, strides and dtype: the
-    replay passes them the written tensor (Note [Writes inside a region], 1)."""
-    found: tuple = ()
+def write_aliases(written: dict[int, torch.Tensor], base: torch.Tensor | None, args: tuple, kwargs: dict,
+                  positions: tuple) -> tuple[tuple, tuple] | None:
+    """How a replayed write's other arguments that share the written storage are made in
+    the replay (Note [Writes inside a region], 1): ``(same, rebuilt)`` -- positions that
+    are the written tensor itself (the same tensor, or a view with its storage, offset,
+    sizes, strides and dtype: passed the written tensor) and ``(position, sizes, strides,
+    offset)`` of other views of the written storage (re-made by ``as_strided`` of the
+    written base, so the op reads memory it writes exactly as in forward); None if one
+    cannot be re-made exactly (then the write is a side effect). ``base``: the tensor
+    whose storage the replay holds (the written tensor, or the base a view is written
+    through)."""
+    same: tuple = ()
+    rebuilt: tuple = ()
+    keys = {storage_key(w) for w in written.values()}
+    keys.discard(None)
     items = [(i, a) for i, a in enumerate(args)] + list(kwargs.items())
     for pos, a in items:
-        if pos in positions or not isinstance(a, _Tensor):
+        if pos in positions:
             continue
-        for w in written:
-            if a is w or (
-                a.dtype == w.dtype and a.size() == w.size() and a.stride() == w.stride()
-                and a.storage_offset() == w.storage_offset() and storage_key(a) == storage_key(w) is not None
-            ):
-                found += (pos,)
-                break
-    return found
+        if type(a) in (list, tuple):  # index lists: none may alias the written storage
+            if any(isinstance(e, _Tensor) and storage_key(e) in keys for e in a):
+                return None
+            continue
+        if not isinstance(a, _Tensor) or storage_key(a) not in keys:
+            continue
+        if any(a is w or (
+            a.dtype == w.dtype and a.size() == w.size() and a.stride() == w.stride()
+            and a.storage_offset() == w.storage_offset()
+        ) for w in written.values()):
+            same += (pos,)
+            continue
+        if (len(written) != 1 or base is None or not _plain_strided(a) or not _plain_strided(base)
+                or a.dtype != base.dtype or base.storage_offset() != 0 or not _dense(base)):
+            return None
+        rebuilt += ((pos, tuple(a.size()), tuple(a.stride()), a.storage_offset()),)
+    return same, rebuilt

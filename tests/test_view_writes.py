@@ -554,6 +554,35 @@ def _torch_with_rng_state(fn, args, box):
     return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
 
 
+def _partial_overlap(kind: str):
+    """A write whose other argument is another view of the written storage, overlapping
+    the destination in part: forward reads elements the same op already wrote (eager
+    allows it; the result depends on that). The replay must read the same memory it
+    writes, not an unaliased copy (fuzzer seed 6151: wrong gradients before)."""
+
+    def make():
+        (h,) = _leaves((4, 6))
+
+        def fn(h):
+            if kind == "split_view":
+                t = torch.empty_like(h).fill_(0.5)
+                t.split_with_sizes([1, 5], 1)[1].add_(t.reshape(-1)[:20].view(4, 5))
+                return (t * h).unbind(0)[3]
+            t = h * 2.0
+            t[:, 1:].add_(t[:, :-1])  # a running shift: each column adds the one before it
+            return t.sin()
+
+        return [h], (h,), fn
+
+    return make
+
+
+@RECORDERS
+@pytest.mark.parametrize("kind", ["split_view", "shift"])
+def test_C_write_reading_a_view_that_overlaps_its_destination(kind, python):
+    check(_partial_overlap(kind), ac2_checkpoint, python=python)
+
+
 # ---- the Hugging Face patterns and allow_cache_entry_mutation ---------------------------
 
 
