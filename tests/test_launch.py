@@ -76,7 +76,9 @@ def test_bench_core_runs():
     assert set(workloads["nested"]["ratios"]) == {"ac2-full/torch-full"}
     for w in workloads.values():
         for r in w["ratios"].values():
-            assert r["backward_flops"] == 1.0  # the same recompute as torch, dropout and nesting included
+            # never more recompute than torch, dropout and nesting included (less with dropout:
+            # a mask's replay reads its input's shape only, not its value)
+            assert r["backward_flops"] <= 1.0
             assert r["kept_after_forward"] <= 1.0
             st = r["step_time"]
             assert st["min"] <= st["median"] <= st["max"]
