@@ -387,6 +387,10 @@ class TensorMap:
 
         self._cb = _dead
 
+    def refs(self) -> list[MapEntry]:
+        """The entries (weak references to the mapped tensors), oldest first."""
+        return list(self._d.values())
+
     def get(self, t: torch.Tensor) -> MapEntry | None:
         e = self._d.get(id(t))
         if e is not None and e() is t:
