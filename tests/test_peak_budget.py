@@ -1,4 +1,4 @@
-"""ac2_dist.MemoryBudget(peak=...) (CONTRACT §11): a physical per-rank peak target for the
+"""ac2_dist.MemoryBudget(peak=...): a physical per-rank peak target for the
 whole step. Every figure is the allocator's (tests/_models.peak_from), measured in the same
 run beside eager's, independently of the planner's own estimate; gradients are eager's."""
 
