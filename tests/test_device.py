@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from _cuda_initialised import simulate
+from _cuda_initialised import HAS_CUDA_DEVICE, simulate
 from _models import assert_bitwise
 from models import GPTBlock, GPTStack
 
@@ -34,10 +34,16 @@ class _OnCuda(torch.Tensor):
         raise NotImplementedError(func)
 
 
+def _as_ac2_sees_it() -> bool:
+    probe = "torch.cuda.is_available() and torch.cuda.is_initialized()"
+    return eval(probe, {"__name__": "ac2_dist._probe", "torch": torch})
+
+
 @pytest.fixture
 def cuda_initialised(monkeypatch):
     simulate(monkeypatch)
-    assert torch.cuda.is_available() and torch.cuda.is_initialized()
+    assert _as_ac2_sees_it()  # what ac2's code is told; torch and the tests are told the truth
+    assert HAS_CUDA_DEVICE or not torch.cuda.is_initialized()
 
 
 def _model():
