@@ -25,12 +25,13 @@ Note [Measuring a CUDA step without a profiler]
       allocator's counter), each entry adds or removes its bytes. The trace gives the
       *requested* size; the allocator hands out blocks rounded up to 512 bytes, and
       that rounding is applied, but a reused cached block may be larger still (by up
-      to 1 MiB for a large block), which the trace does not say. So the walk is
-      anchored at both ends (the bytes allocated at the next mark are exact too), and
-      the peak statistic corrects it: a segment in which the statistic rose peaked at
-      exactly its new value; one in which it did not, at most at its value.
+      to 1 MiB for a large block), which the trace does not say. So the walk starts
+      from the exact count at its mark, is never below the exact count at the next
+      one, and the peak statistic corrects it: a segment in which the statistic rose
+      peaked at exactly its new value; one in which it did not, at most at its value.
     * The step cannot be read (``problem`` says why, the planner keeps its plan) if
-      the history lost entries (a recording by someone else that keeps fewer, or
+      the allocator is not the native caching allocator (``cudaMallocAsync`` keeps no
+      history), the history lost entries (a recording by someone else that keeps fewer, or
       skips allocations), another thread allocated while the counters and the
       history were read, or the counters were reset
       (``reset_accumulated_memory_stats``) during the step.
@@ -114,6 +115,11 @@ class AllocatorHistory:
         self._running = False
 
     def __enter__(self) -> AllocatorHistory:
+        backend = torch.cuda.memory.get_allocator_backend()
+        if backend != "native":
+            self.problem = (f"the CUDA allocator backend is {backend!r}, which keeps no memory history "
+                            "(the default backend, 'native', does)")
+            return self
         self._owned = not _history_enabled()
         if self._owned:
             _start_recording()
@@ -127,9 +133,14 @@ class AllocatorHistory:
             self._marks.append((name, _counters(self.index)))
 
     def __exit__(self, *exc: Any) -> None:
-        if not self._running:
-            return
-        self._running = False
+        if self._running:
+            self._running = False
+            self._stop()
+        listeners, self.on_exit = self.on_exit, []
+        for fn in listeners:
+            fn(self)
+
+    def _stop(self) -> None:
         try:
             end = _counters(self.index)
             snapshot = torch.cuda.memory._snapshot()
@@ -140,9 +151,6 @@ class AllocatorHistory:
         traces = snapshot.get("device_traces") or []
         trace = traces[self.index] if self.index < len(traces) else []
         self._read(end, after, trace)
-        listeners, self.on_exit = self.on_exit, []
-        for fn in listeners:
-            fn(self)
 
     def _read(self, end: _Counters, after: _Counters, trace: list[dict]) -> None:
         start = self._start

@@ -45,6 +45,7 @@ class SimAllocator:
         self.max_entries = 0
         self.skip: set[str] = set()
         self.calls: Counter[str] = Counter()
+        self.backend = "native"  # PYTORCH_CUDA_ALLOC_CONF's backend
         self._next = 1
 
     # ---- allocations ---------------------------------------------------------------------
@@ -123,6 +124,7 @@ class SimAllocator:
         monkeypatch.setattr(torch.cuda.memory, "_snapshot", self.snapshot)
         monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", self.is_history_enabled, raising=False)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: self.backend)
         return self
 
     # ---- fed by the tensors ops return ---------------------------------------------------

@@ -93,6 +93,18 @@ def test_a_history_that_lost_entries_or_reset_counters_is_not_read(sim):
     assert meter.problem == "the allocator's counters were reset during the step"
 
 
+def test_the_async_allocator_keeps_no_history(sim):
+    sim.backend = "cudaMallocAsync"
+    seen = []
+    meter = AllocatorHistory(CUDA0)
+    meter.on_exit.append(seen.append)
+    with meter:
+        meter.plan_mark("a")
+        sim.alloc(512)
+    assert seen == [meter] and "'cudaMallocAsync', which keeps no memory history" in meter.problem
+    assert sim.calls["_record_memory_history"] == 0 and meter.spans(["a"]) == {}
+
+
 def _cuda_budget_model(monkeypatch):
     """A CPU GPT whose regions decide CUDA (the planner measures the CUDA way); replays
     inline (nothing else of CUDA runs)."""
