@@ -28,7 +28,6 @@ Note [The device comes from the tensors]
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -73,10 +72,10 @@ def device_of(*trees: Any, module: nn.Module | None = None) -> torch.device:
     return CPU if found is None else found
 
 
-def recorded_device(refs: list[Any]) -> torch.device:
-    """A ``with`` block's device, from the weak references to the tensors it recorded
-    (oldest first): the CUDA device of one of the most recent ``_RECORDED_SCAN`` still
-    alive, else the CPU device."""
-    recent = (ref() for ref in itertools.islice(reversed(refs), _RECORDED_SCAN))
-    found = _first_cuda(recent)
+def recorded_device(graph: Any) -> torch.device:
+    """A ``with`` block's device, from its graph's tensor map: the CUDA device of one of
+    the ``_RECORDED_SCAN`` most recently recorded tensors still alive, else the CPU
+    device (also once the map is gone)."""
+    refs = graph.map.recent(_RECORDED_SCAN) if graph.map is not None else []
+    found = _first_cuda(ref() for ref in refs)
     return CPU if found is None else found

@@ -290,7 +290,7 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
     def _decide_device(self, graph: Graph) -> None:
         """A `with` block exits: its device, from the tensors it recorded (Note [The device
         comes from the tensors]); on CUDA its replays take the configured executor."""
-        graph.device = recorded_device(graph.map.refs()) if graph.map is not None else device_of()
+        graph.device = recorded_device(graph)
         if graph.device.type == "cuda":
             graph.executor = self._replay.executor(_thread_state, True)
 

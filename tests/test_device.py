@@ -67,11 +67,20 @@ def test_the_decision_reads_tensors():
     assert module_cuda_device(m) is None and cuda_device_of(cpu, module=m) is None
     m.register_buffer("on_gpu", gpu)
     assert module_cuda_device(m) == torch.device("cuda") and device_of(module=m).type == "cuda"
-    # a `with` block: its most recent live recorded tensors (weak references, oldest first)
-    import weakref
+    # a `with` block: its most recent live recorded tensors
+    from ac2_dist._nodes import TensorMap
 
-    assert recorded_device([weakref.ref(gpu), weakref.ref(cpu)]).type == "cuda"
-    assert recorded_device([weakref.ref(cpu)]) == CPU and recorded_device([]) == CPU
+    class _Graph:
+        map = TensorMap()
+
+    graph = _Graph()
+    assert recorded_device(graph) == CPU
+    graph.map.set(cpu, None, 0, None)
+    assert recorded_device(graph) == CPU
+    graph.map.set(gpu, None, 0, None)
+    assert recorded_device(graph).type == "cuda"
+    graph.map = None  # gone: nothing recorded is alive to say
+    assert recorded_device(graph) == CPU
 
 
 def test_cpu_modules_replay_inline_and_prefetch_nothing_with_cuda_initialised(cuda_initialised):
