@@ -355,8 +355,12 @@ class PeakPlanner:
             if self.state == "settled" and not tracked:
                 return
             meter = AllocatorHistory(device)
-            with _disable_current_modes():
-                meter.__enter__()
+            try:
+                with _disable_current_modes():
+                    meter.__enter__()
+            except Exception as e:  # a step that cannot be measured changes nothing (Note [Verify, correct, stay put])
+                step.problem = step.problem or f"the allocator's memory history could not be read ({e})"
+                return
             meter.on_exit.append(partial(self._collect, step))
             step.trace, step.own_trace = meter, True
             return
