@@ -3,7 +3,11 @@
 On CPU there is no ``memory_allocated()``; the profiler's memory events are the
 allocator's record of every allocation and free (address, size and time). Replaying
 them in time order gives the bytes allocated within a window that are alive at any
-moment of it. The same works for CUDA events, so one code path serves both devices.
+moment of it. The CUDA caching allocator reports its blocks the same way (block sizes:
+the scale of ``torch.cuda.memory_allocated``), so one code path serves both devices
+(``memory.track``); the session records CPU activity only (the allocator reports to
+it; no kernel tracing) and reads or resets no allocator statistic. A peak target on
+CUDA measures without a profiler session (_alloc_history.py).
 
 Note [One trace, two readers]
     Two profiler sessions cannot run at once (the inner one's stop ends both), yet a
@@ -64,7 +68,8 @@ class Phase:
 
 @dataclass
 class AllocationTrace:
-    """Record allocations/frees on ``device_type`` while active.
+    """Record allocations/frees while active; those on ``device_type`` (read when it
+    exits) are counted.
 
     ``mark(name)`` splits the window into phases; after exit, ``segments`` lists them
     in time order as ``(name, Phase)``, each from its mark to the next one (or the end);
@@ -98,10 +103,9 @@ class AllocationTrace:
         top = active_trace()
         if top is not None and top.preempt is not None:
             top.preempt()
-        acts = [ProfilerActivity.CPU]
-        if self.device_type == "cuda":
-            acts.append(ProfilerActivity.CUDA)
-        prof = profile(activities=acts, profile_memory=True, record_shapes=False)
+        # CPU activity only: allocations of every device are reported to the session by
+        # their allocator; ``device_type`` picks the ones counted when it exits.
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
         try:
             prof.__enter__()
         except BaseException:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ._device import device_of
 from ._dropin import is_ac2_checkpoint
 from ._policy import PolicyLike, PolicySource
 from ._region import _thread_state, apply_ac_policy
@@ -91,7 +92,9 @@ class _CheckpointedForward:
             if previous is not None:
                 return previous(*args, **kwargs)
             return type(module).forward(module, *args, **kwargs)
-        region = apply_ac_policy._from_frame(self.source.new_frame(), self.config)
+        # Note [The device comes from the tensors] (_device.py)
+        device = device_of(args, kwargs, module=module)
+        region = apply_ac_policy._from_frame(self.source.new_frame(), self.config, device=device)
         with region:
             if previous is not None:
                 out = previous(*args, **kwargs)
@@ -100,7 +103,8 @@ class _CheckpointedForward:
             if is_fsdp_unit(module):  # our region runs inside FSDP's pre/post-forward
                 _thread_state().graph.mark_fsdp_params(unsharded_params(module), module)
         if region.graph is not None:
-            _link_for_prefetch(region.graph, self.config, self.source.module_fqn, args, kwargs, out)
+            _link_for_prefetch(region.graph, self.config, self.source.module_fqn, args, kwargs, out,
+                               device.type == "cuda")
         else:
             graph = _thread_state().graph
             if graph is not None and graph.map is not None:  # nested in a recording region
@@ -187,10 +191,11 @@ def _producers(inputs: list[torch.Tensor]) -> list[weakref.ref]:
     return found
 
 
-def _link_for_prefetch(graph: Any, config: ReplayConfig, fqn: str, args: Any, kwargs: Any, out: Any) -> None:
+def _link_for_prefetch(graph: Any, config: ReplayConfig, fqn: str, args: Any, kwargs: Any, out: Any,
+                       on_cuda: bool) -> None:
     """Note [Prefetching the next unit's replay] (replay.py), linked by data flow (Note
-    [Prefetch follows data flow]): prefetch this unit's producers when its backward starts."""
-    on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    [Prefetch follows data flow]): prefetch this unit's producers when its backward starts.
+    ``on_cuda``: the unit runs on CUDA (Note [The device comes from the tensors])."""
     depth = config.prefetch_depth(region_streams(on_cuda) is not None)  # Note [Stream backends] (_streams.py)
     log = config.log
     if depth == 0 and log is None:

@@ -8,6 +8,7 @@ module or in ``_graph.py``'s docstring.
 
 from __future__ import annotations
 
+import itertools
 import types
 import weakref
 from collections.abc import Iterator, Mapping
@@ -415,6 +416,11 @@ class TensorMap:
                     del owner._d[ref.key]
 
         self._cb = _dead
+
+    def recent(self, n: int) -> list[MapEntry]:
+        """The ``n`` most recent entries (weak references to the mapped tensors), newest
+        first: a copy, so that a tensor dying while they are read changes nothing."""
+        return list(itertools.islice(reversed(self._d.values()), n))
 
     def get(self, t: torch.Tensor) -> MapEntry | None:
         e = self._d.get(id(t))

@@ -1,5 +1,5 @@
 """Fit the step in N bytes: ``MemoryBudget(peak=N)`` plans the saved sets of every block
-together so that the rank's measured peak stays at or below N (CONTRACT §11).
+together so that the rank's measured peak stays at or below N.
 
     budget = ac.MemoryBudget(peak="70GiB")
     ac.apply_ac(model, budget, modules=[Block])   # one instance: one budget for the model
@@ -19,8 +19,9 @@ Note [What a peak target bounds]
 Note [The peak model]
     The first step runs every block at the floor (``"recompute_all"``: a calibration
     that holds nothing, Note [A calibration keeps what its plan saves] in budget.py does
-    not apply) and is measured from the allocator (Note [One trace, two readers] in
-    _alloc.py), with plan marks where block k's region enters (``fwd:k``) and where its
+    not apply) and is measured from the allocator (on CPU its events: Note [One trace,
+    two readers] in _alloc.py; on CUDA its memory history and counters: Note [Measuring
+    a CUDA step without a profiler] in _alloc_history.py), with plan marks where block k's region enters (``fwd:k``) and where its
     graph is first unpacked or prefetched (``bwd:k``: its backward begins). Each mark
     opens a *segment* that runs to the next mark; its measured peak above the step's
     start is that segment's *base*. A plan that saves ``dk_j`` bytes above block j's
@@ -62,14 +63,34 @@ Note [Verify, correct, stay put]
     and the plan is solved again. After ``_TRIES`` planned steps the planner keeps the
     cheapest plan whose measured peak was within the target (the floor if none was) and
     stops measuring: it converges within three steps (floor, plan, corrected plan) and
-    the saved sets do not change afterwards. A step that cannot be measured (a profiler
-    session ac2 did not start is running, a forward ran without its backward, steps
+    the saved sets do not change afterwards. A step that cannot be measured (on CPU a
+    profiler session ac2 did not start is running, Note [A profiler session of the
+    user's]; a forward ran without its backward, steps
     overlapped as under pipeline schedules, a block ran twice in one step, the blocks
     ran another structure or plan than the one being verified) changes nothing; the
     planner stays at its current plan and says why in :meth:`describe`; after
     ``_UNMEASURED`` step starts in a row without a usable step it stops measuring.
     Bases only rise above what a step over the target implied (``guard``): a plan known
     to overshoot is not chosen again.
+
+Note [A profiler session of the user's]
+    On CPU a step is measured from a profiler session's memory events (torch exposes no
+    allocated-bytes counter there) and two sessions cannot run at once. A session ac2
+    did not start that is running when a step begins (the user's ``torch.profiler``)
+    cannot be read, so the planner waits for it: the step is not measured, the plan
+    stays as it is, the wait does not count towards ``_UNMEASURED`` (the planner
+    measures at the first step that begins after the session ended), and it warns once
+    saying so and what to do. ``memory.track``'s session is read instead (Note [One
+    trace, two readers]). On CUDA no profiler session is used (Note [Measuring a CUDA
+    step without a profiler]), so a user's profiler changes nothing there.
+
+Note [The step's device]
+    The planner measures on the device its blocks compute on (Note [The device comes
+    from the tensors] in _device.py): the device the first region of a step decided
+    when it entered (a checkpointed module's or a function region's). A ``with
+    apply_ac_policy(...)`` block decides only when it exits; a step that begins with
+    one is measured on the device an earlier step's regions decided, and the first
+    such step is not measured.
 
 Note [One plan on every rank]
     A replay of a nested FSDP unit unshards it (a collective), so ranks whose plans
@@ -104,6 +125,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ._alloc import AllocationTrace, active_trace
+from ._alloc_history import AllocatorHistory
 from .memory import _human_bytes as _human
 from .memory import _pipeline_microbatch
 
@@ -118,6 +140,7 @@ _GRID = 4096  # the DP rounds bytes up to target / _GRID
 _HISTORY = 64  # measured steps describe() lists
 _UNMEASURED = 8  # step starts in a row without a usable step after which the planner stays put
 _MAX_CALLS = 4096  # regions per step the planner follows
+_FOREIGN_PROFILER = "a profiler session ac2 did not start is running"
 _OVERLAP = ("forwards and backwards of several steps interleaved (microbatches in flight, as under a "
             "pipeline schedule, or a forward without its backward)")
 
@@ -174,10 +197,10 @@ class _Step:
 
     index: int
     prefix: str  # of its plan marks: unique per planner and step
-    base_abs: int  # allocated when it began (CUDA; 0 on CPU)
+    base_abs: int = 0  # allocated when it began (CUDA; 0 on CPU)
     calls: list[_Call] = field(default_factory=list)
     anonymous: int = 0  # regions without a module fqn so far (PeakPlanner._key)
-    trace: AllocationTrace | None = None
+    trace: AllocationTrace | AllocatorHistory | None = None  # CPU: a profiler trace; CUDA: the allocator's history
     own_trace: bool = False
     backward: bool = False  # its backward began
     ended: bool = False  # its backward completed
@@ -187,7 +210,7 @@ class _Step:
 
     def mark(self, what: str) -> None:
         if self.trace is not None:
-            AllocationTrace.plan_mark(self.prefix + what)
+            self.trace.plan_mark(self.prefix + what)
 
     def names(self) -> list[str]:
         out = []
@@ -195,8 +218,11 @@ class _Step:
             out += [f"{self.prefix}fwd:{k}", f"{self.prefix}bwd:{k}"]
         return out + [f"{self.prefix}end"]
 
-    def collect(self, trace: AllocationTrace) -> None:
+    def collect(self, trace: AllocationTrace | AllocatorHistory) -> None:
         """The trace that measured this step has exited: read its segments."""
+        if getattr(trace, "problem", None) is not None:  # the allocator's history could not be read
+            self.problem = self.problem or trace.problem
+            return
         spans = trace.spans(self.names())
         start = spans.get(f"{self.prefix}fwd:0")
         if start is None:
@@ -247,6 +273,7 @@ class PeakPlanner:
         self.guard: dict[str, int] = {}  # per segment, the highest base a step over the target implied
         self.all_settled = False  # every rank settled (the last sync said so): no more collectives
         self.unmeasured = 0  # synced rounds in a row without a usable step
+        self.device: torch.device | None = None  # the blocks' device (Note [The step's device])
         self._warned: set[str] = set()
         self._error: str | None = None
 
@@ -305,26 +332,59 @@ class PeakPlanner:
         return f"[{n}]" if n else ""
 
     def _begin(self) -> None:
-        on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        """A step begins; it is measured from its first region's entry (``_measure``),
+        when that region's device is known (Note [The step's device])."""
         index = self.steps
         self.steps += 1
-        step = _Step(index, f"{id(self):x}:{index}:", torch.cuda.memory_allocated() if on_cuda else 0)
+        step = _Step(index, f"{id(self):x}:{index}:")
         step.choice = self.choice
+        self.step = step
+
+    def _measure(self, step: _Step, device: torch.device | None, tracked: bool) -> None:
+        """Start measuring ``step`` on ``device`` (its first region's; ``None``: not known
+        yet). ``tracked``: a ``memory.track`` runs (its report shows the measured peak)."""
+        if device is not None:
+            self.device = device
+        device = self.device
+        if device is None:
+            step.problem = step.problem or ("its device was not known when it began (a `with apply_ac_policy(...)` "
+                                            "block decides it when it exits); the next step is measured")
+            return
+        if device.type == "cuda":  # Note [Measuring a CUDA step without a profiler]
+            step.base_abs = torch.cuda.memory_allocated(device)
+            if self.state == "settled" and not tracked:
+                return
+            meter = AllocatorHistory(device)
+            try:
+                with _disable_current_modes():
+                    meter.__enter__()
+            except Exception as e:  # a step that cannot be measured changes nothing (Note [Verify, correct, stay put])
+                step.problem = step.problem or f"the allocator's memory history could not be read ({e})"
+                return
+            meter.on_exit.append(partial(self._collect, step))
+            step.trace, step.own_trace = meter, True
+            return
         trace = active_trace()
         if trace is not None:  # Note [One trace, two readers]
             step.trace = trace
             trace.on_exit.append(partial(self._collect, step))
         elif self.state != "settled":
-            if torch._C._autograd._profiler_enabled():
-                step.problem = "a profiler session ac2 did not start is running"
+            if torch._C._autograd._profiler_enabled():  # Note [A profiler session of the user's]
+                step.problem = _FOREIGN_PROFILER
+                self._warn_once("profiler", (
+                    f"ac2_dist.MemoryBudget(peak={_human(self.target)}): a torch.profiler session that ac2 did not "
+                    f"start is running; on CPU the planner measures a step from a profiler session of its own and "
+                    f"two cannot run at once, so it keeps its current plan ({self._describe_choice()}) and measures "
+                    f"at the first step that begins after your session ends. To plan first, start profiling once "
+                    f"budget.describe() says 'settled' (within about 3 steps), or read memory with "
+                    f"ac2_dist.memory.track(...), whose session the planner shares"))
             else:
-                trace = AllocationTrace("cuda" if on_cuda else "cpu")
+                trace = AllocationTrace("cpu")
                 trace.preempt = partial(self._preempt, step)
                 with _disable_current_modes():
                     trace.__enter__()
                 trace.on_exit.append(partial(self._collect, step))
                 step.trace, step.own_trace = trace, True
-        self.step = step
 
     def enter(self, region: Any, graph: Any) -> None:
         """``region`` (a _BudgetRegion) entered with ``graph`` (its outermost region's)."""
@@ -340,6 +400,8 @@ class PeakPlanner:
                 return
             plan = region.plan
             k = len(step.calls)
+            if k == 0:  # the step's first region: its device is known now (Note [The step's device])
+                self._measure(step, getattr(graph, "device", None), graph.tracker is not None)
             if k >= _MAX_CALLS:
                 step.problem = step.problem or f"more than {_MAX_CALLS} checkpointed regions in one step"
                 return
@@ -358,7 +420,11 @@ class PeakPlanner:
             return
         step, k = where
         plan = region.plan
+        graph = getattr(region, "graph", None)
+        device = getattr(graph, "device", None)
         with self.lock:
+            if device is not None:  # decided by now, a `with` block's too (Note [The step's device])
+                self.device = device
             call = step.calls[k]
             if region.problem_signature is not None:  # it calibrated: the floor, nothing kept
                 call.signature, call.dk = region.problem_signature, 0
@@ -446,8 +512,9 @@ class PeakPlanner:
                                    "over the target" if self.measured > self.target else ""))
 
     def _use(self, step: _Step | None) -> None:
-        on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        now_abs = torch.cuda.memory_allocated() if on_cuda else 0  # what the next step starts from
+        device = self.device
+        # what the next step starts from (Note [What a peak target bounds])
+        now_abs = torch.cuda.memory_allocated(device) if device is not None and device.type == "cuda" else 0
         calls = step.calls if step is not None else []
         segments = [f"{kind}:{k}" for k in range(len(calls)) for kind in ("fwd", "bwd")]
         peaks = step.peaks if step is not None else None
@@ -474,11 +541,14 @@ class PeakPlanner:
                 self._report_only(step)
             return
         if problem is not None:
-            self.unmeasured += 1
+            if problem != _FOREIGN_PROFILER:  # Note [A profiler session of the user's]: wait for it
+                self.unmeasured += 1
             if step is not None:
                 self._remember(_Record(step.index, self._describe_choice(), self.predicted, None, problem))
-                self._warn_once("unmeasured", f"step {step.index + 1} could not be measured ({problem}); the plan "
-                                              f"stays as it is ({self._describe_choice()}) until a step can be")
+                if problem != _FOREIGN_PROFILER:  # that one warned when it was found
+                    self._warn_once("unmeasured", f"step {step.index + 1} could not be measured ({problem}); the "
+                                                  f"plan stays as it is ({self._describe_choice()}) until a step "
+                                                  "can be")
             if self.unmeasured >= _UNMEASURED:
                 self._settle(f"{_UNMEASURED} step starts in a row found no measured step (last: {problem})")
             return

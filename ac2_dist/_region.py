@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ._device import device_of, recorded_device
 from ._graph import Graph, GraphStats
 from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, PolicySource, _Frame, is_save
 from ._streams import region_streams
@@ -158,7 +159,8 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
             would not be the forward's.
         module_fqn: reported to policies as ``ctx.module_fqn``.
         replay: a :class:`ReplayConfig` (where replays run); default: inline on CPU,
-            a CUDA side stream when this process uses CUDA.
+            a CUDA side stream when the block computes on CUDA tensors (Note [The
+            device comes from the tensors] in _device.py).
 
     Regions nest; the outermost one records, inner ones add their policy (CONTRACT §2).
     The object is also a decorator-free context manager for one thread at a time;
@@ -181,17 +183,21 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
         )
         self._replay = check_replay(replay)
         self._module_region = False  # a checkpointed module's region (Note [FSDP units are region boundaries])
+        self._device: torch.device | None = None  # None: decided at exit (Note [The device comes from the tensors])
         self.stats = GraphStats()
         self.graph: Graph | None = None  # the graph of the last outermost use that recorded
 
     @classmethod
-    def _from_frame(cls, frame: _Frame, replay: ReplayConfig, module_region: bool = True) -> apply_ac_policy:
+    def _from_frame(cls, frame: _Frame, replay: ReplayConfig, module_region: bool = True,
+                    device: torch.device | None = None) -> apply_ac_policy:
         """A region for an already validated policy frame (no re-parse): a checkpointed
-        module's, or (``module_region=False``) a function region's."""
+        module's, or (``module_region=False``) a function region's. ``device``: the one
+        its tensors are on, if known (Note [The device comes from the tensors])."""
         self = cls.__new__(cls)
         self._frame = frame
         self._replay = replay
         self._module_region = module_region
+        self._device = device
         self.stats = GraphStats()
         self.graph = None
         return self
@@ -234,12 +240,17 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
         return self
 
     def _install(self, st: _ThreadState) -> _Install:
-        on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        streams = region_streams(on_cuda)  # Note [Stream backends] (_streams.py)
+        # Note [The device comes from the tensors] (_device.py): a `with` block's device
+        # is unknown until it exits (None here); it replays inline until then (unless a
+        # simulated CUDA is installed: Note [Stream backends] in _streams.py), and an
+        # Offload it was given decides per tensor (Offload.takes).
+        device = self._device
+        streams = region_streams(device is not None and device.type == "cuda")
         graph = Graph(self._replay.executor(_thread_state, streams), st.frames)
+        graph.device = device
         graph.save_unit_outputs = not self._module_region
         offload = self._replay.offload
-        if offload is not None and offload.applies(streams is not None):  # Note [The offload schedule] (offload.py)
+        if offload is not None and offload.applies(device is None or streams is not None):  # Note [The offload schedule] (offload.py)
             graph.offload = offload.open_unit(self._frame.module_fqn, streams)
         if st.tracker is not None:
             graph.tracker = st.tracker
@@ -275,18 +286,29 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
                 "ac2_dist: apply_ac_policy regions exited out of order; nest them with 'with'"
             )
         st.owners.pop()
+        install = st.install
+        if install is not None and install.owner is self and install.graph.device is None:
+            self._decide_device(install.graph)  # before anything reads it (a policy's region_exit)
         frame = st.frames.pop()
         leave = getattr(frame.fn, "region_exit", None)
         if leave is not None:
             leave(st.graph, exc_type is not None)
-        install = st.install
         if install is not None and install.owner is self:
             self._uninstall(st, install, exc_type, exc, tb)
+
+    def _decide_device(self, graph: Graph) -> None:
+        """A `with` block exits: its device, from the tensors it recorded (Note [The device
+        comes from the tensors]); on CUDA its replays take the configured executor."""
+        graph.device = recorded_device(graph)
+        if graph.device.type == "cuda":
+            graph.executor = self._replay.executor(_thread_state, region_streams(True))
 
     @staticmethod
     def _uninstall(st: _ThreadState, install: _Install, exc_type: Any, exc: Any, tb: Any) -> None:
         st.install = None
         st.graph = None
+        if install.graph.tracker is not None:
+            install.graph.tracker._region_device(install.graph.device)
         install.graph.close_map()
         track_what_the_graph_holds(install.graph)  # Note [A graph holds only tracked nodes]
         try:
@@ -372,13 +394,15 @@ def function_region(fn: Callable[..., T], args: tuple, kwargs: dict, policy: Any
 
 def eager_region(fn: Callable[..., T], source: PolicySource, args: tuple, kwargs: dict) -> T:
     """``fn(*args, **kwargs)`` in an eager function region (a fresh frame from ``source``)."""
-    with region_scope(source):
+    with region_scope(source, device_of(args, kwargs)):
         return fn(*args, **kwargs)
 
 
-def region_scope(source: PolicySource) -> apply_ac_policy:
-    """An eager function region (a fresh frame from ``source``) as a context manager."""
-    return apply_ac_policy._from_frame(source.new_frame(), check_replay(None), module_region=False)
+def region_scope(source: PolicySource, device: torch.device | None = None) -> apply_ac_policy:
+    """An eager function region (a fresh frame from ``source``) as a context manager;
+    ``device``: its tensors' device if known, else decided when it exits (Note [The
+    device comes from the tensors])."""
+    return apply_ac_policy._from_frame(source.new_frame(), check_replay(None), module_region=False, device=device)
 
 
 def is_checkpoint_enabled() -> bool:

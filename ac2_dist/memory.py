@@ -1,4 +1,4 @@
-"""Per-rank memory reports: what each rank saved, recomputed and peaked at (CONTRACT §8).
+"""Per-rank memory reports: what each rank saved, recomputed and peaked at.
 
 ::
 
@@ -8,10 +8,14 @@
     reports = ac.memory.gather(report)     # list on rank 0, None elsewhere
     print(ac.memory.format_table(reports))
 
-Figures come from real accounting: on CPU the allocator's own events (torch.profiler
-memory events, replayed in time order), on CUDA the caching allocator's statistics;
-what ac2 holds after forward is read from the regions' graphs (unique storages,
-parameters excluded). Nothing is installed while no tracker is active.
+Figures come from real accounting: the allocator's own events (torch.profiler memory
+events, replayed in time order: _alloc.py), the same on CPU and CUDA, for the device
+the tracked model (or its regions) computes on (Note [The device comes from the
+tensors] in _device.py). Tracking reads no allocator statistic and resets none: a
+user's ``torch.cuda.max_memory_allocated()`` around a tracked step reads the step's
+peak as it would untracked. What ac2 holds after forward is read from the regions'
+graphs (unique storages, parameters excluded): bytes on the device, and offloaded
+values resident in host memory apart. Nothing is installed while no tracker is active.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from ._alloc import AllocationTrace, active_trace
+from ._device import module_cuda_device
 from ._graph import Graph, GraphStats
 from ._nodes import REASONS, Node
 from ._region import _thread_state
@@ -50,6 +55,9 @@ class RankReport:
     ``live_bytes_after_forward`` is the most allocated, above the same base, when one of
     its forward phases ended (with several microbatches in flight, all of them).
     A step is found as :func:`track` says (or set by :meth:`Tracker.step`).
+    ``saved_bytes`` (and its split by reason) is what ac2 holds for backward in the
+    device's memory after forward; ``saved_host_bytes`` what it holds in host memory
+    (offloaded values whose host copy is the one kept), not device bytes.
     """
 
     rank: int = 0
@@ -61,6 +69,7 @@ class RankReport:
     live_bytes_after_forward: int = 0  # everything still allocated when forward returned
     saved_bytes: int = 0
     saved_bytes_by_reason: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+    saved_host_bytes: int = 0  # offloaded values held in host memory after forward
     recomputed_ops: int = 0
     recomputed_bytes: int = 0
     replay_seconds: float = 0.0
@@ -77,8 +86,9 @@ class RankReport:
         """Rebuild a report from :meth:`to_dict`'s output (e.g. one entry of a run file).
 
         Raises ValueError naming the first field that is missing or has the wrong type.
-        Every key of CONTRACT §8 is required; ``steps`` and ``live_bytes_after_forward``
-        (added later in schema 1) default to 0; unknown keys are ignored.
+        Every key of schema 1's first release is required; ``steps``,
+        ``live_bytes_after_forward`` and ``saved_host_bytes`` (added later in schema 1)
+        default to 0; unknown keys are ignored.
         """
         if not isinstance(d, dict):
             raise ValueError(f"a rank report must be a JSON object (dict), got {_describe(d)}")
@@ -173,6 +183,7 @@ _FIELD_CHECKS = MappingProxyType({
     "live_bytes_after_forward": _check_int,
     "saved_bytes": _check_int,
     "saved_bytes_by_reason": _check_int_map,
+    "saved_host_bytes": _check_int,
     "recomputed_ops": _check_int,
     "recomputed_bytes": _check_int,
     "replay_seconds": _check_float,
@@ -181,15 +192,30 @@ _FIELD_CHECKS = MappingProxyType({
     "per_module": _check_per_module,
     "schema_version": _check_int,
 })
-_OPTIONAL = frozenset({"steps", "live_bytes_after_forward"})  # added within schema 1
+_OPTIONAL = frozenset({"steps", "live_bytes_after_forward", "saved_host_bytes"})  # added within schema 1
 _REQUIRED = tuple(k for k in _FIELD_CHECKS if k not in _OPTIONAL)
 
 
-def _held_bytes(graphs: Iterable[Graph], params: set[int]) -> tuple[dict[str, int], dict[str, int]]:
-    """Bytes of unique storages ac2 holds for backward, by reason and by module."""
+def _host_resident(s: Any, t: torch.Tensor) -> bool:
+    """Whether saved value ``s``, held as ``t``, is kept in host memory for a value
+    computed elsewhere (an offloaded value's host copy), not in the device's memory."""
+    if s.offloaded:  # the offload schedule: the device tensor until committed, then the host copy
+        return s.value.device is None
+    if s.device is not None:  # a synchronous copy to the CPU (no schedule)
+        return True
+    home = s.meta[2] if s.hooks is not None and s.meta is not None else None  # SAVE_WITH_HOOKS
+    return home is not None and home.type != "cpu" and t.device.type == "cpu"
+
+
+def _held_bytes(graphs: Iterable[Graph], params: set[int]) -> tuple[dict[str, int], dict[str, int], int,
+                                                                     dict[str, int]]:
+    """Bytes of unique storages ac2 holds for backward in the device's memory, by reason
+    and by module, and in host memory (offloaded values), in all and by module."""
     seen: set[int] = set()
     by_reason = dict.fromkeys(REASONS, 0)
     by_module: dict[str, int] = {}
+    host = 0
+    host_by_module: dict[str, int] = {}
     visited: set[int] = set()
     for graph in graphs:
         stack: list[Node] = [h.node for h in list(graph.handles)]
@@ -214,9 +240,13 @@ def _held_bytes(graphs: Iterable[Graph], params: set[int]) -> tuple[dict[str, in
                 if key in params or key in seen or nbytes == 0:
                     continue
                 seen.add(key)
+                if _host_resident(s, t):
+                    host += nbytes
+                    host_by_module[node.fqn] = host_by_module.get(node.fqn, 0) + nbytes
+                    continue
                 by_reason[s.reason] += nbytes
                 by_module[node.fqn] = by_module.get(node.fqn, 0) + nbytes
-    return by_reason, by_module
+    return by_reason, by_module, host, host_by_module
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -370,10 +400,15 @@ class Tracker:
         self._hooks: list[Any] = []
         self._report = RankReport()
         self._param_storages: set[int] = set()
-        if model is None:
-            self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        else:
-            self._cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
+        # Note [The device comes from the tensors] (_device.py): the model's parameters and
+        # buffers; without a model (or one without tensors), the regions it sees (None:
+        # decided when the tracker exits).
+        self._device: str | None = None
+        if model is not None:
+            cuda = module_cuda_device(model)
+            if cuda is not None or any(True for _ in model.parameters()) or any(True for _ in model.buffers()):
+                self._device = "cpu" if cuda is None else "cuda"
+        self._regions_on_cuda = False  # a region it saw computed on CUDA
         self._used = False
         # Steps and phases (Note [Steps and phases]).
         self._spans: list[_Span] = []
@@ -430,14 +465,14 @@ class Tracker:
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
             self._report.rank, self._report.world_size = dist.get_rank(), dist.get_world_size()
-        self._report.device = "cuda" if self._cuda else "cpu"
         if self.model is not None:
             self._param_storages = {_storage_key(p) for p in self.model.parameters()}
             # prepend: run before FSDP's root pre-forward, whose all-gather belongs to
             # this step's forward, not the previous step's backward.
             self._hooks.append(self.model.register_forward_pre_hook(self._on_forward, prepend=True))
             self._hooks.append(self.model.register_forward_hook(self._on_forward_end))
-        trace = AllocationTrace(device_type=self._report.device, watch=_ALLGATHER_EVENTS)
+        # Which device's allocations count is settled when the trace exits (_release).
+        trace = AllocationTrace(device_type=self._device or "cpu", watch=_ALLGATHER_EVENTS)
         trace.__enter__()  # fails if another profiler is running
         self._trace = trace
         if self.model is None:
@@ -463,9 +498,11 @@ class Tracker:
             if g.tracker is self:
                 g.tracker = None
         trace, self._trace = self._trace, None
+        if self._device is None:
+            self._device = "cuda" if self._regions_on_cuda else "cpu"
+        self._report.device = self._device
         if trace is not None:
-            if self._cuda and self._spans:
-                self._close_cuda_span()
+            trace.device_type = self._device
             trace.__exit__(None, None, None)
         return trace
 
@@ -478,8 +515,8 @@ class Tracker:
     # Note [Steps and phases]: a step is a run of forward and backward phases (they
     # interleave under pipeline schedules: 1F1B runs F0 F1 B0 F2 B1 ...); its figures
     # are above the bytes allocated when it began. Each phase is a span of the trace
-    # (its mark is the span's index; on CUDA the allocator's statistics are read and
-    # reset at every boundary). With a model, its forward is a forward phase and
+    # (its mark is the span's index), on CPU and CUDA alike: no allocator statistic is
+    # read or reset. With a model, its forward is a forward phase and
     # everything after it returns (loss, sends, backward) a backward phase; without,
     # a forward phase runs from a region's start to the first replay. Unless step()
     # was called, a new step starts at a forward (with a model) or at a region after a
@@ -515,19 +552,14 @@ class Tracker:
             self._microbatches = set()
             self._step_first_graph = len(self._graph_refs)
         span = _Span(kind, r.steps)
-        if self._cuda:
-            if self._spans:
-                self._close_cuda_span()
-            span.start = span.peak = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
         self._spans.append(span)
         self._phase = kind
         self._trace.mark(str(len(self._spans) - 1))
 
-    def _close_cuda_span(self) -> None:
-        span = self._spans[-1]
-        span.end = torch.cuda.memory_allocated()
-        span.peak = max(span.start, span.end, torch.cuda.max_memory_allocated())
+    def _region_device(self, device: torch.device | None) -> None:
+        """A region it saw decided its device (Note [The device comes from the tensors])."""
+        if device is not None and device.type == "cuda":
+            self._regions_on_cuda = True
 
     def _on_forward(self, *args: Any) -> None:
         """The model's forward starts."""
@@ -609,15 +641,18 @@ class Tracker:
             self._peak_planners[fqn] = plan.peak
 
     def _snapshot_saved(self) -> None:
-        by_reason, by_module = _held_bytes(self.graphs, self._param_storages)
+        by_reason, by_module, host, host_by_module = _held_bytes(self.graphs, self._param_storages)
         total = sum(by_reason.values())
         r = self._report
-        if total >= r.saved_bytes:  # the largest step
-            r.saved_bytes, r.saved_bytes_by_reason = total, by_reason
+        if (total, host) >= (r.saved_bytes, r.saved_host_bytes):  # the largest step (device bytes first)
+            r.saved_bytes, r.saved_bytes_by_reason, r.saved_host_bytes = total, by_reason, host
             for entry in r.per_module.values():
                 entry["saved_bytes"] = 0
+                entry.pop("saved_host_bytes", None)
             for fqn, nbytes in by_module.items():
                 r.per_module.setdefault(fqn, {"saved_bytes": 0, "recomputed_bytes": 0})["saved_bytes"] = nbytes
+            for fqn, nbytes in host_by_module.items():
+                r.per_module.setdefault(fqn, {"saved_bytes": 0, "recomputed_bytes": 0})["saved_host_bytes"] = nbytes
 
     def _finish(self, trace: AllocationTrace) -> None:
         r = self._report
@@ -627,8 +662,7 @@ class Tracker:
             phase = segments.get(k)
             if phase is not None:
                 span.calls = phase.calls
-                if not self._cuda:  # CUDA spans were read from the allocator's statistics
-                    span.start, span.peak, span.end = phase.start_bytes, phase.peak_bytes, phase.end_bytes
+                span.start, span.peak, span.end = phase.start_bytes, phase.peak_bytes, phase.end_bytes
             if span.step == 0:
                 continue
             base = bases.setdefault(span.step, span.start)  # allocated when the step began
@@ -801,6 +835,7 @@ _ROWS = [
     ("live after forward", "live_bytes_after_forward", _human_bytes),
     ("saved after forward", "saved_bytes", _human_bytes),
     *[(f"  saved: {reason}", f"saved_bytes_by_reason.{reason}", _human_bytes) for reason in REASONS],
+    ("saved in host memory", "saved_host_bytes", _human_bytes),
     ("recomputed ops", "recomputed_ops", lambda v: f"{v:.0f}"),
     ("recomputed", "recomputed_bytes", _human_bytes),
     ("replay time", "replay_seconds", lambda v: f"{v * 1e3:.1f} ms"),
@@ -843,6 +878,8 @@ def format_table(reports: list[RankReport] | None) -> str:
             for r in reports:
                 m = r.per_module.get(fqn, {})
                 cell = f"{_human_bytes(m.get('saved_bytes', 0))} / {_human_bytes(m.get('recomputed_bytes', 0))}"
+                if m.get("saved_host_bytes"):  # offloaded values kept in host memory
+                    cell += f" (+{_human_bytes(m['saved_host_bytes'])} in host memory)"
                 if "budget_bytes" in m:  # an ac2_dist.MemoryBudget plan
                     cell += (f" (budget {_human_bytes(m['budget_bytes'])}, plan saves "
                              f"{_human_bytes(m['plan_saved_bytes'])}, est. recompute "

@@ -3,6 +3,11 @@
     torchrun --standalone --nproc-per-node 2 launch/train.py            # CPU / gloo
     torchrun --standalone --nproc-per-node 8 launch/train.py --dim 1024  # GPUs / nccl
 
+``--device auto`` (the default) trains on the GPUs, one per rank (nccl), when this
+node has one for each of its ranks, else on the CPU (gloo; with some GPUs but fewer
+than ranks it says so: nccl cannot put two ranks on one GPU); ``--device cuda``
+requires one GPU per rank and stops with an error otherwise.
+
 Byte-level language modelling on text already on disk (this project's sources and
 the Python standard library's), every block checkpointed (``--ac``), parameters
 sharded with ``fully_shard`` over all ranks. Prints one line per step (loss,
@@ -122,18 +127,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile each block (after checkpointing)")
     p.add_argument("--report-json", default=None, help="write the gathered memory report here (rank 0)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto: one GPU per rank if this node has enough, else the CPU; cuda: require them")
     return p.parse_args(argv)
 
 
-def init_distributed() -> torch.device:
-    """torchrun rank setup: nccl and this rank's GPU if there are GPUs, else gloo with
+def choose_device(requested: str, gpus: int, local_ranks: int) -> tuple[str, str]:
+    """(``"cuda"`` or ``"cpu"``, a notice for the user or ``""``) for ``--device
+    requested`` with ``gpus`` GPUs and ``local_ranks`` ranks on this node: nccl needs
+    a GPU of its own per rank. Raises SystemExit for ``cuda`` without enough GPUs."""
+    if requested == "cpu":
+        return "cpu", ""
+    if gpus >= local_ranks and gpus > 0:
+        return "cuda", ""
+    if requested == "cuda":
+        raise SystemExit(
+            f"launch/train.py --device cuda: {local_ranks} rank(s) on this node need a GPU each (nccl), this node "
+            f"has {gpus}; launch with torchrun --nproc-per-node {max(gpus, 1)}"
+            + (" " if gpus else " on a machine with a GPU, ") + "or train on the CPU with --device cpu")
+    if gpus:
+        return "cpu", (f"train.py: {local_ranks} ranks on this node but {gpus} GPU(s) (nccl needs one per rank): "
+                       f"training on the CPU (gloo); launch with torchrun --nproc-per-node {gpus} to train on the "
+                       f"GPU(s), or pass --device cuda to make this an error")
+    return "cpu", ""
+
+
+def init_distributed(requested: str = "auto") -> torch.device:
+    """torchrun rank setup: nccl and this rank's GPU (``choose_device``), else gloo with
     the CPU cores split between the ranks of this node."""
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    if use_cuda:
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    gpus = torch.cuda.device_count() if requested != "cpu" and torch.cuda.is_available() else 0
+    kind, notice = choose_device(requested, gpus, local_ranks)
+    if notice and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        print(notice, flush=True)
+    dist.init_process_group("nccl" if kind == "cuda" else "gloo")
+    if kind == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         return torch.device("cuda")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     return torch.device("cpu")
 
 
@@ -172,7 +203,7 @@ def shutdown_distributed(clean: bool, mesh: DeviceMesh | None = None) -> None:
 def main(argv: list[str] | None = None) -> float:
     """Run the job under torchrun; returns the last step's mean loss."""
     args = parse_args(argv)
-    device = init_distributed()
+    device = init_distributed(args.device)
     clean, mesh = False, None
     try:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))

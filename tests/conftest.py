@@ -3,9 +3,18 @@ import sys
 
 import pytest
 import torch
+from _cuda_initialised import HAS_CUDA_DEVICE, simulate
 
 # The launch/ scripts' models are shared with the tests.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--simulate-cuda-initialised", action="store_true", default=False,
+        help="run every test (in every xdist worker) as a CPU job on a GPU machine after torch.compile "
+             "initialised CUDA: torch.cuda.is_available() and is_initialized() answer True (tests/_cuda_initialised.py)",
+    )
 
 
 def pytest_configure(config):
@@ -14,11 +23,15 @@ def pytest_configure(config):
         "cuda: needs a CUDA device; skips without one (launch/gpu_check.py runs `-m cuda -rs` on a GPU, "
         "where a skip is a failure)",
     )
+    if config.getoption("--simulate-cuda-initialised"):
+        mp = pytest.MonkeyPatch()
+        simulate(mp)
+        config.add_cleanup(mp.undo)
 
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` skip, with a reason, when no CUDA device is present."""
-    if torch.cuda.is_available():
+    if HAS_CUDA_DEVICE:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run on a GPU by launch/gpu_check.py)")
     for item in items:

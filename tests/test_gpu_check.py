@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -22,18 +23,27 @@ import gpu_check  # noqa: E402
 
 def test_smoke_run_has_every_section_and_writes_the_table(tmp_path):
     out = tmp_path / "gc"
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "gpu_check.py"), "--device", "cpu", "--smoke",
-           "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "gpu_check.py"), "--device", "cpu", "--smoke"]
+    env = dict(os.environ, OUT=str(out))  # --out defaults to $OUT (the device tool's folder)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     doc = json.loads((out / "gpu_check.json").read_text())
     sections = doc["sections"]
-    assert list(sections) == gpu_check.SECTION_NAMES
+    assert list(sections) == gpu_check.DEFAULT_SECTIONS  # full_suite only on request
     assert doc["exit_code"] == 0 and doc["smoke"] is True
+    # Every artefact is under --out, listed at the end with its size, within the limits.
+    listed = {}
+    for line in proc.stdout.splitlines()[-12:]:
+        parts = line.split()
+        if len(parts) == 4 and parts[0] == "gpu_check:" and parts[3] == "bytes":
+            listed[parts[1]] = int(parts[2])
+    files = {p.name: p.stat().st_size for p in out.iterdir()}
+    assert listed == files and set(files) == {"gpu_check.json", "gpu_check.md", "gpu_check.log",
+                                              "overlap_trace.json.gz", "cuda_tests.xml"}, (listed, files)
+    assert len(files) <= gpu_check.MAX_FILES and max(files.values()) <= gpu_check.MAX_FILE_BYTES
+    log = (out / "gpu_check.log").read_text()
+    assert "gpu_check: [" in log and "pytest| " in log and "compile: ok" in log  # the console, kept
     for name, r in sections.items():
-        if name == "full_suite":  # CI runs the suite itself
-            assert r["status"] == "not run" and "--smoke" in r["reason"]
-            continue
         if name == "offload" and not hasattr(CheckpointPolicy, "MUST_CPU_OFFLOAD"):  # torch < 2.11
             assert r["status"] == "not run" and "MUST_CPU_OFFLOAD" in r["reason"]
             continue
@@ -48,7 +58,7 @@ def test_smoke_run_has_every_section_and_writes_the_table(tmp_path):
     assert ("tests/test_offload.py::test_cuda_schedule_values_memory_and_pool" if has_offload
             else "tests/test_offload.py") in tests
     assert "tests/test_replay.py::test_side_stream_matches_inline_and_bounds_memory" in tests
-    expected = "passed" if torch.cuda.is_available() else "skipped"
+    expected = "passed" if torch.cuda.device_count() > 0 else "skipped"
     assert set(tests.values()) == {expected}
     replay = sections["replay_scheduling"]["figures"]
     assert set(replay) == {"no-ac", "torch-full", "ac2-inline", "ac2-side-prefetch0", "ac2-side-prefetch1",
@@ -64,7 +74,7 @@ def test_smoke_run_has_every_section_and_writes_the_table(tmp_path):
         assert all(c["ok"] for c in eager["checks"])  # the no-op mode's gradients are no AC's
     md = (out / "gpu_check.md").read_text()
     assert md.startswith("# ac2_dist GPU check") and torch.__version__ in md
-    for name in gpu_check.SECTION_NAMES:
+    for name in gpu_check.DEFAULT_SECTIONS:
         assert f"\n## {name}\n" in md and f"| {name} | " in md
     assert not has_offload or "| tests/test_offload.py::test_cuda_schedule_order_matches_cpu | " in md
 
@@ -165,3 +175,59 @@ def test_a_failed_check_or_a_raising_section_exits_1(tmp_path, monkeypatch, outc
         assert "RuntimeError: boom" in r["error"] and "boom" in (tmp_path / "gpu_check.md").read_text()
     else:
         assert "| values | **NO** | differ |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_a_section_past_its_limit_is_interrupted_and_the_next_runs(tmp_path, monkeypatch, capfd):
+    def slow(ctx):
+        time.sleep(30)
+        return {"figures": {}, "checks": [gpu_check.check("finished", True)]}
+
+    monkeypatch.setitem(gpu_check.SECTIONS, "environment", slow)
+    monkeypatch.setitem(gpu_check.SECTIONS, "overlap", lambda ctx: {"checks": [gpu_check.check("ran", True)]})
+    monkeypatch.setattr(gpu_check, "HEARTBEAT_S", 0.5)
+    limit = 2.5
+    rc = gpu_check.main(["--device", "cpu", "--smoke", "--sections", "environment,overlap", "--out", str(tmp_path),
+                         "--timeout-scale", str(limit / gpu_check.SMOKE_TIMEOUTS["environment"])])
+    assert rc == 1
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    slow_r, next_r = doc["sections"]["environment"], doc["sections"]["overlap"]
+    assert slow_r["status"] == "error" and "SectionTimeout" in slow_r["error"] and slow_r["seconds"] < 10
+    assert next_r["status"] == "ok"
+    printed = capfd.readouterr().out
+    assert printed.count("environment running:") >= 3  # a progress line every HEARTBEAT_S
+    assert "environment running:" in (tmp_path / "gpu_check.log").read_text()
+
+
+_STUCK = """
+import sys, time
+sys.path.insert(0, {launch!r})
+import gpu_check
+
+def stuck(ctx):  # ignores the interrupt: as a kernel or a collective that never returns
+    while True:
+        try:
+            time.sleep(60)
+        except gpu_check.SectionTimeout:
+            pass
+
+gpu_check.SECTIONS["environment"] = lambda ctx: {{"checks": [gpu_check.check("ran", True)]}}
+gpu_check.SECTIONS["overlap"] = stuck
+gpu_check.SMOKE_TIMEOUTS["overlap"] = 1.0
+gpu_check.HEARTBEAT_S, gpu_check.GRACE_S = 0.5, 1.0
+sys.exit(gpu_check.main(["--device", "cpu", "--smoke", "--sections", "environment,overlap,compile",
+                         "--out", {out!r}]))
+"""
+
+
+def test_a_section_stuck_past_its_limit_ends_the_run_with_its_stacks(tmp_path):
+    out = tmp_path / "gc"
+    code = _STUCK.format(launch=os.path.join(ROOT, "launch"), out=str(out))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((out / "gpu_check.json").read_text())
+    assert doc["sections"]["environment"]["status"] == "ok"
+    assert doc["sections"]["overlap"]["status"] == "error" and "stuck" in doc["sections"]["overlap"]["error"]
+    assert doc["sections"]["compile"]["status"] == "not run"
+    log = (out / "gpu_check.log").read_text()
+    assert "overlap is stuck" in log and "in stuck" in log  # every thread's stack, the stuck one's too
+    assert "gpu_check:   gpu_check.json" in proc.stdout

@@ -92,6 +92,47 @@ def test_every_n_layers_and_disable():
     _assert_same(_grads(eager, ids), _grads(model, ids))
 
 
+def _with_switch(model, switch):
+    """``model`` as an instance of a subclass whose only checkpointing switch is ``switch``
+    (``gradient_checkpointing_enable``'s signature of some transformers release)."""
+    cls = type(model)
+    model.__class__ = type(cls.__name__, (cls,), {"activation_checkpointing_enable": None,
+                                                  "gradient_checkpointing_enable": switch})
+    return model
+
+
+def test_every_n_layers_through_whichever_switch_takes_it():
+    """transformers 5.17 has no activation_checkpointing_enable, but its
+    gradient_checkpointing_enable takes every_n_layers: found by what the class offers."""
+    base = type(_llama(1))
+    impl = getattr(base, "_activation_checkpointing_enable", None)  # what newer releases' switches call
+    calls = []
+
+    def like_5_17(self, gradient_checkpointing_kwargs=None, every_n_layers: int = 1, offload: bool = False):
+        calls.append((gradient_checkpointing_kwargs, every_n_layers))
+        if impl is not None:
+            impl(self, gradient_checkpointing_kwargs, every_n_layers, offload)
+        else:  # transformers 5.17 itself
+            base.gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=gradient_checkpointing_kwargs,
+                                               every_n_layers=every_n_layers)
+
+    eager = _llama(4).train()
+    model = hf.enable(_with_switch(copy.deepcopy(eager), like_5_17), every_n_layers=2)
+    assert calls == [({"use_reentrant": False}, 2)]
+    assert [ac.is_checkpointed(layer) for layer in _layers(model)] == [True, False, True, False]
+    ids = _ids()
+    _assert_same(_grads(eager, ids), _grads(model, ids))
+
+    def without_every_n_layers(self, gradient_checkpointing_kwargs=None):
+        raise AssertionError("not called: it cannot checkpoint every second layer")
+
+    older = _with_switch(_llama(4), without_every_n_layers)
+    with pytest.raises(ValueError, match=r"every_n_layers=2 needs HF's checkpointing switch to take every_n_layers.*"
+                                         r"gradient_checkpointing_enable does not.*pass every_n_layers=1"):
+        hf.enable(older, every_n_layers=2)
+    assert not hf.is_enabled(older)
+
+
 def test_policy_and_policy_factory_reach_the_layers():
     seen = []
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -11,6 +12,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The sweeps' --png needs matplotlib (the 'plot' extra), which the GPU machine does not have.
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                                      reason="matplotlib (the 'plot' extra) is not installed: the sweep writes a PNG")
 
 
 @pytest.mark.slow
@@ -33,6 +37,24 @@ def test_train_py_under_torchrun_writes_report(tmp_path, ac_mode):
     report = subprocess.run([sys.executable, "-m", "ac2_dist.report", out], capture_output=True, text=True,
                             timeout=60, cwd=ROOT)
     assert report.returncode == 0 and "all-gathers in backward" in report.stdout
+
+
+def test_train_py_device_choice_with_fewer_gpus_than_ranks():
+    """nccl needs a GPU per rank: with fewer, --device auto trains on the CPU and says
+    why; --device cuda stops with what to do (never set_device(local_rank) past the GPUs)."""
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import train
+
+    assert train.choose_device("auto", gpus=8, local_ranks=8) == ("cuda", "")
+    assert train.choose_device("auto", gpus=0, local_ranks=2) == ("cpu", "")
+    assert train.choose_device("cpu", gpus=8, local_ranks=2) == ("cpu", "")
+    kind, notice = train.choose_device("auto", gpus=1, local_ranks=2)
+    assert kind == "cpu" and "2 ranks on this node but 1 GPU" in notice and "--nproc-per-node 1" in notice
+    with pytest.raises(SystemExit, match=r"2 rank\(s\) on this node need a GPU each \(nccl\), this node has 1; "
+                                         r"launch with torchrun --nproc-per-node 1 or train on the CPU"):
+        train.choose_device("cuda", gpus=1, local_ranks=2)
+    with pytest.raises(SystemExit, match="has 0; launch with torchrun --nproc-per-node 1 on a machine with a GPU"):
+        train.choose_device("cuda", gpus=0, local_ranks=1)
 
 
 @pytest.mark.slow
@@ -153,6 +175,7 @@ def test_bench_hf_runs():
 
 
 @pytest.mark.slow
+@needs_matplotlib
 def test_bench_core_budget_sweep(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "launch"))
     import bench_core
@@ -170,6 +193,7 @@ def test_bench_core_budget_sweep(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@needs_matplotlib
 def test_bench_core_peak_sweep(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "launch"))
     import bench_core

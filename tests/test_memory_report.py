@@ -321,3 +321,40 @@ def test_frees_of_blocks_from_an_earlier_trace_do_not_count():
     assert r.peak_bytes_forward == ref.peak_bytes_forward > 0
     assert r.live_bytes_after_forward == ref.live_bytes_after_forward > 0
     assert r.peak_bytes_backward == ref.peak_bytes_backward > 0
+
+
+def test_offloaded_values_in_host_memory_are_not_device_bytes():
+    """saved_bytes is what ac2 holds in the device's memory after forward; an offloaded
+    value whose host copy is the one kept counts in saved_host_bytes instead (the
+    schedule's CPU test mode: stream="inline" copies CPU tensors into host buffers)."""
+    CP = torch.utils.checkpoint.CheckpointPolicy
+    if not hasattr(CP, "MUST_CPU_OFFLOAD"):
+        pytest.skip(f"CheckpointPolicy.MUST_CPU_OFFLOAD does not exist in torch {torch.__version__}")
+    from models import Llama, LlamaBlock
+
+    def offload_mm(ctx, op, *args, **kwargs):
+        return CP.MUST_CPU_OFFLOAD if op is torch.ops.aten.mm.default else CP.PREFER_RECOMPUTE
+
+    def run(offload):
+        torch.manual_seed(0)
+        model = ac.apply_ac(Llama(vocab=64, dim=32, layers=4, heads=4), offload_mm, modules=[LlamaBlock],
+                            replay=ac.ReplayConfig(stream="inline", prefetch=0, offload=offload))
+        tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+        with ac.memory.track(model) as tracker:
+            torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        return tracker.report()
+
+    kept = run(ac.Offload(defer=1, stream="inline", log=lambda e, f: None))
+    # defer=1: when forward ends, blocks 0-2 were committed (their host copies kept), the last kept on the device
+    host = {fqn: m.get("saved_host_bytes", 0) for fqn, m in kept.per_module.items()}
+    assert host["layers.0"] > 0 and host["layers.1"] > 0 and host["layers.2"] > 0 and host["layers.3"] == 0, host
+    assert kept.saved_host_bytes == sum(host.values())
+    assert kept.saved_bytes == sum(kept.saved_bytes_by_reason.values())
+    assert kept.saved_bytes_by_reason["offloaded"] > 0  # the last block's, still on the device
+    # The same values without the schedule (a region copies nothing on CPU): all device bytes.
+    plain = run(None)
+    assert plain.saved_host_bytes == 0
+    assert kept.saved_bytes + kept.saved_host_bytes == plain.saved_bytes, (kept, plain)
+    table = ac.memory.format_table([kept])
+    assert "saved in host memory" in table and "in host memory)" in table
+    assert ac.memory.RankReport.from_dict(kept.to_dict()) == kept

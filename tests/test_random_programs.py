@@ -3,8 +3,11 @@ tags, RNG modes) give bitwise-equal gradients to eager."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
+
+pytest.importorskip("hypothesis", reason="hypothesis (the 'test' extra) is not installed: the property tests need it")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.checkpoint import CheckpointPolicy as CP

@@ -1,5 +1,5 @@
 """Hugging Face transformers: checkpoint a ``PreTrainedModel``'s layers with ac2, through
-HF's own gradient-checkpointing mechanism (CONTRACT §9).
+HF's own gradient-checkpointing mechanism.
 
     from ac2_dist.integrations import hf
     hf.enable(model, policy="recompute_all", every_n_layers=1)   # instead of
@@ -109,8 +109,9 @@ def enable(
     Args:
         model: a ``transformers.PreTrainedModel`` that supports gradient checkpointing,
             or a PEFT model around one (``peft.get_peft_model``).
-        policy: an ac2 policy (CONTRACT §2), default ``"recompute_all"``.
-        every_n_layers: checkpoint every n-th layer (HF's own option; transformers >= 5).
+        policy: an ac2 policy (as :class:`ac2_dist.apply_ac_policy` takes), default ``"recompute_all"``.
+        every_n_layers: checkpoint every n-th layer (HF's own option, where its switch takes it:
+            transformers >= 5.17).
         policy_factory: instead of ``policy``, a zero-argument callable called for every
             layer call (a fresh stateful policy per layer).
         **region_options: ``rng`` (``"replay"`` by default here: dropout masks are
@@ -188,19 +189,32 @@ class _KeepAc2:
 
 
 def _hf_enable(model: Any, every_n_layers: int) -> None:
-    if hasattr(type(model), "activation_checkpointing_enable"):  # transformers >= 5
-        _call_class_method(model, "activation_checkpointing_enable",
-                           activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every_n_layers)
+    """HF's own switch, found by what the installed transformers offers (Note [Through HF's
+    own switch]): ``activation_checkpointing_enable`` (newer transformers) or
+    ``gradient_checkpointing_enable``, non-reentrant where it takes kwargs; ``every_n_layers``
+    through whichever of them takes it (5.17's ``gradient_checkpointing_enable`` does)."""
+    cls = type(model)
+    found = []
+    for name, kwargs_name in (("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
+                              ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs")):
+        method = getattr(cls, name, None)
+        if method is None:
+            continue
+        params = inspect.signature(method).parameters
+        found.append(name)
+        if every_n_layers != 1 and "every_n_layers" not in params:
+            continue
+        kwargs: dict[str, Any] = {kwargs_name: {"use_reentrant": False}} if kwargs_name in params else {}
+        if every_n_layers != 1:
+            kwargs["every_n_layers"] = every_n_layers
+        _call_class_method(model, name, **kwargs)
         return
-    if every_n_layers != 1:
-        raise ValueError(
-            f"ac2_dist.integrations.hf.enable: every_n_layers={every_n_layers} needs transformers >= 5 "
-            f"(installed: {transformers.__version__})"
-        )
-    kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
-    if "gradient_checkpointing_kwargs" not in inspect.signature(type(model).gradient_checkpointing_enable).parameters:
-        kwargs = {}
-    _call_class_method(model, "gradient_checkpointing_enable", **kwargs)
+    raise ValueError(
+        f"ac2_dist.integrations.hf.enable: every_n_layers={every_n_layers} needs HF's checkpointing switch to "
+        f"take every_n_layers, and {type(model).__name__}'s {' / '.join(found) or 'switch'} does not (transformers "
+        f"{transformers.__version__}); pass every_n_layers=1, or pick the layers to checkpoint with "
+        "ac2_dist.apply_ac(model, policy, modules=...)"
+    )
 
 
 def disable(model: Any) -> Any:
