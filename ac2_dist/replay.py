@@ -60,7 +60,6 @@ from torch.autograd.profiler import record_function
 
 from ._graph import Graph
 from .offload import Offload
-from .side_effects import _INFO
 
 _NULL = contextlib.nullcontext()
 
@@ -195,10 +194,10 @@ class InlineExecutor:
     #: A value that exists needs no executor: the graph hands it over itself (Note
     #: [Unpacking a value that exists] in _graph.py). Not on a side stream.
     takes_existing = True
-    #: ``run`` of a node without an RNG chain only calls the op's ``OpInfo.call`` (as
-    #: the tracer did in forward): the plain replay path calls that itself, one Python
-    #: frame less per op (Note [The plain replay path] in _replayer.py). An executor
-    #: whose ``run`` does more per op sets this False.
+    #: ``run`` of a node without an RNG chain only calls the op: the plain replay path
+    #: calls it itself, as the tracer did in forward (``OpInfo.call``, what ``op(...)``
+    #: ends in), two Python frames less per op (Note [The plain replay path] in
+    #: _replayer.py). An executor whose ``run`` does more per op sets this False.
     calls_ops_directly = True
 
     def __init__(self, thread_state: Any) -> None:
@@ -237,13 +236,7 @@ class InlineExecutor:
         """Run a recorded op; a random one on ``chain``, which Graph._advance brought to
         the state right before it."""
         if chain is None:
-            op = node.op
-            # What the tracer called in forward (OpInfo.call: ``op._op``, one Python frame
-            # less than ``op(...)``; Note [The plain-op path] in _tracer.py).
-            info = _INFO.get(id(op))
-            if info is None or info.guarded and op._op is not info.call:
-                return op(*args, **kwargs)
-            return info.call(*args, **kwargs)
+            return node.op(*args, **kwargs)
         k = node.rng[1]
         gen = chain.generator
         current = gen.get_state()
