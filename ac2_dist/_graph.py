@@ -560,7 +560,8 @@ class Graph(Replayer):
         uses[node.seq + idx] += 1
         if node.scheduled or node.saved is not None and node.saved[idx] is not None:
             return  # the common cases: no walk (the first value is the one just armed)
-        if node.cut or node.values is not None and node.values[idx] is not None:
+        cuts = self.has_cuts  # without cut nodes no node's ``cut`` is read (a class default)
+        if cuts and node.cut or node.values is not None and node.values[idx] is not None:
             return
         node.scheduled = True
         # A stack of input tuples, walked in place (Note [Node inputs are one flat
@@ -578,7 +579,7 @@ class Graph(Replayer):
                 saved = n.saved
                 if saved is not None and saved[i] is not None:
                     continue
-                if not n.scheduled and not n.cut and not (n.values is not None and n.values[i] is not None):
+                if not n.scheduled and not (cuts and n.cut) and not (n.values is not None and n.values[i] is not None):
                     n.scheduled = True
                     todo.append(n.inputs)
 

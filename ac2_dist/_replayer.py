@@ -83,8 +83,9 @@ class Replayer:
             return
         # Note [The plain replay path]
         #     Replaying costs Python per op, and most replayed nodes are plain: no output
-        #     saved, scheduled, not cut, no list argument, nothing written in place, no
-        #     scratch argument, no RNG chain. Those run in this loop's frame, doing what
+        #     saved, scheduled (so not cut: ``arm`` never schedules a cut node and
+        #     ``Graph.cut`` unschedules one), no list argument, nothing written in place,
+        #     no scratch argument, no RNG chain. Those run in this loop's frame, doing what
         #     ``_run`` (``_execute`` + ``_keep``) does for them with ``take`` inlined for
         #     recomputed inputs (a saved input still goes through ``take``), the op called
         #     as the executor's ``run`` would call it (``calls_ops_directly``: the tracer's
@@ -104,7 +105,7 @@ class Replayer:
             for n in self._missing(node):
                 op = n.op
                 info = infos.get(id(op))
-                if (n.saved is not None or not n.scheduled or n.cut or info is None
+                if (n.saved is not None or not n.scheduled or info is None
                         or not info.plain and (n.lists or n.writes or n.scratch or n.same or n.rng is not None)):
                     if n.cut:
                         self._fill_cut(n)
@@ -217,7 +218,7 @@ class Replayer:
                 if values is not None and values[j] is not None:
                     continue
                 todo[m] = None
-                if not m.cut:
+                if m.scheduled or not m.cut:  # a scheduled node is never cut (Graph.cut)
                     stack.append(m.inputs)
         return sorted(todo, key=_node_seq)
 

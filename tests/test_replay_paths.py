@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _models import GPT, ConvBN, DropoutMLP
+from models import MLPLayer, Stage
 
 import ac2_dist as ac
 from ac2_dist import _graph, _replayer, memory, replay
@@ -62,6 +63,15 @@ def _mixed():
     return fn, [x, w]
 
 
+def _cut():
+    # Checkpointed layers inside the region: their outputs are cut nodes (Note [Nested
+    # modules cut the replay]), filled by private replays; tanh between them is plain.
+    torch.manual_seed(0)
+    model = ac.apply_ac(Stage(16, 3), "recompute_all", modules=[MLPLayer])
+    x = torch.randn(4, 16, requires_grad=True)
+    return (lambda: model(x).tanh().square().sum()), [x, *model.parameters()]
+
+
 _PROGRAMS = {
     "scalar-chain": lambda: _chain(1.0001),
     "weight-chain": lambda: _chain(None),
@@ -69,6 +79,7 @@ _PROGRAMS = {
     "conv-bn": _model(ConvBN, (2, 3, 8, 8)),
     "dropout": _model(DropoutMLP, (4, 32)),
     "mixed": _mixed,
+    "cut": _cut,
 }
 _POLICIES = {
     "recompute_all": dict(policy="recompute_all"),
@@ -122,6 +133,7 @@ def _run(program: str, policy: str, general: bool, monkeypatch, backward: str = 
             grads = [*grads, *(p.grad for p in params)]
         else:
             grads = torch.autograd.grad(y, params)
+    assert graph.has_cuts == (program == "cut")
     stats = dataclasses.replace(region.stats, replay_seconds=0.0)
     nodes = {n.seq: n for n in _nodes_of(graph)}
     held = sorted(s for s, n in nodes.items() if n.values is not None and any(v is not None for v in n.values))
