@@ -1,7 +1,7 @@
 """The cost of recording: per-op forward and backward cost of each checkpointing mode.
 
 One region holding a chain of tiny ops (``tanh`` then ``mul`` by a weight, 16-element
-tensors: the per-op Python cost dominates), at 1k, 4k, 16k and 64k ops, one thread.
+tensors by default: the per-op Python cost dominates), at 1k, 4k, 16k and 64k ops, one thread.
 Modes, interleaved in one process (every mode at every size once per round, so machine
 drift hits all alike, the growth with size included; medians over the rounds):
 
@@ -59,6 +59,14 @@ syscall counts as one instruction. The garbage collector's work inside the measu
 is included.
 
     python launch/bench_tracer.py --instructions --sizes 1000 4000 --jobs 2
+
+``--numel N --scale S`` changes the chain to ``tanh(h) * S`` (a Python number, ``mul`` saves
+nothing: one saved tensor per two ops) on ``N``-element tensors; ``--numel 64 --scale 1.0001``
+is the chain issue 44 measured ac2's backward per op on (every op replayed, half as many unpacks
+as the weight chain's).
+
+    python launch/bench_tracer.py --instructions --sizes 4000 --phases bwd --modes ac2-full torch-full \
+        --numel 64 --scale 1.0001 --jobs 2
 """
 
 from __future__ import annotations
@@ -607,6 +615,9 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         for n, r in results.items():
             print(n, {m: (round(v["fwd_us"], 2), round(v["bwd_us"], 2)) for m, v in r.items()})
+            for mode in ("ac2-full", "base-full"):
+                if mode in r and "torch-full" in r:
+                    print(f"  {mode} / torch-full backward (paired per round): {_ratio(r, mode, 'torch-full', 'bwd')}")
         print(heap, paused)
     if args.baseline:
         print(f"baseline ({args.baseline}): " + ", ".join(
