@@ -549,16 +549,19 @@ def report_instructions(counts: dict[int, dict[str, dict[str, float]]]) -> str:
                   ratio(r, "ac2-full", "torch-full", "bwd")]
         lines.append(f"| {_size(n)} | " + " | ".join(cells) + " |")
     sizes = list(counts)
-    if len(sizes) > 1:
+    lines.append("")
+    if len(sizes) > 1 and any("fwd" in r for r in counts[sizes[0]].values()):
         first, last = counts[sizes[0]], counts[sizes[-1]]
-        lines.append("")
         lines.append(f"forward per op at {_size(sizes[-1])} ops / at {_size(sizes[0])}: " + ", ".join(
-            f"{m} {last[m]['fwd'] / first[m]['fwd']:.3f}" for m in modes))
+            f"{m} {last[m]['fwd'] / first[m]['fwd']:.3f}" for m in modes if "fwd" in first[m]))
     if "base-full" in modes:
-        lines.append("this / baseline, forward: " + ", ".join(
-            f"{_size(n)} full {r['ac2-full']['fwd'] / r['base-full']['fwd']:.3f}"
-            + (f", save-list {r['ac2-save']['fwd'] / r['base-save']['fwd']:.3f}" if "ac2-save" in r else "")
-            for n, r in counts.items() if "ac2-full" in r))
+        for ph, phase in (("fwd", "forward"), ("bwd", "backward")):
+            cells = [f"{_size(n)} {name} {ratio(r, mode, base, ph)}"
+                     for n, r in counts.items()
+                     for name, mode, base in (("full", "ac2-full", "base-full"), ("save-list", "ac2-save", "base-save"))
+                     if ratio(r, mode, base, ph)]
+            if cells:
+                lines.append(f"this / baseline, {phase}: " + ", ".join(cells))
     return "\n".join(lines)
 
 
@@ -599,10 +602,10 @@ def main(argv: list[str] | None = None) -> dict:
         counts = count_instructions(modes, args.sizes, args.jobs, args.baseline, tuple(args.phases), spec)
         print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, 1 thread; thousands of CPU instructions"
               " per op (callgrind), forward / backward")
-        print(report_instructions(counts))
-        if args.json:
+        if args.json:  # first: a report that fails loses no measurement
             with open(args.json, "w") as f:
                 json.dump({"instructions_per_op": counts}, f, indent=2)
+        print(report_instructions(counts))
         return {"instructions_per_op": counts}
     results = measure(args.sizes, args.rounds, args.warmup, modes, spec)
     heap = {"ac2-full": heap_per_op(args.heap_ops, "recompute_all", spec=spec),
