@@ -109,7 +109,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._graph import Graph
 from ._nodes import NO_KWARGS, Handle, MapEntry, Node, Saved, alias, flatten_outputs, version_of
 from ._policy import PolicyContext, _Frame, is_save, resolve
-from ._writes import is_literal, literal, stale_view, write_aliases
+from ._writes import is_literal, literal, overwritten, stale_view, write_aliases
 from .compile import COMPILER_STATE as _COMPILER
 from .compile import skip_dynamo as _skip_dynamo
 from .replay import default_generator
@@ -293,12 +293,14 @@ class Tracer(TorchDispatchMode):
 
         rng = None
         writes = info.written and info.writes(args)
-        fresh = accum = False
+        fresh = accum = over = False
         written = via = aliases = None
         if writes:
             written = self._before_writes(info, args, kwargs)
             if info.accumulators:  # Note [Statistics an op accumulates] (side_effects.py)
                 accum = info.accumulates(args)
+            elif info.overwrites and overwritten(info, written, args, kwargs):
+                over = True  # Note [Writes that overwrite] (_writes.py)
             elif info.declared_writes and info.side_effect is _MUTATION and not info.written_lists:
                 self._refresh_stale_views(written, inner)
                 fresh = self._fresh(written)
@@ -346,7 +348,7 @@ class Tracer(TorchDispatchMode):
 
         single = isinstance(out, _Tensor)
         flat = (out,) if single else flatten_outputs(out)
-        replayable = fresh or accum  # a write that is not a side effect
+        replayable = fresh or accum or over  # a write that is not a side effect
         side = _NONE if replayable else info.side_effect
         reason = "policy"
         if side is _NONE:
@@ -387,7 +389,8 @@ class Tracer(TorchDispatchMode):
             # tensor itself read the written tensor in the replay, not an input of their own.
             same, rebuilt = aliases if fresh else ((), ())
             node = self._recomputable(graph, func, info, args, kwargs, len(flat) + (via is not None), inner,
-                                      info.accumulators if accum else (), same + tuple(r[0] for r in rebuilt))
+                                      info.accumulators if accum else (), same + tuple(r[0] for r in rebuilt),
+                                      (0,) if over else info.shape_only)
             if same:
                 node.same = same
             if rebuilt:
@@ -408,7 +411,8 @@ class Tracer(TorchDispatchMode):
                 if e is not None:
                     e.node.viewed = True
             if rng is not None:  # Note [A saved random op stays in its chain] (_graph.py)
-                node = self._recomputable(graph, func, info, args, kwargs, len(flat), inner)
+                node = self._recomputable(graph, func, info, args, kwargs, len(flat), inner,
+                                          shape_only=info.shape_only)
                 node.rng = (rng.index, len(rng.nodes))
                 rng.nodes.append(node)
             else:
@@ -462,7 +466,7 @@ class Tracer(TorchDispatchMode):
             base = via[0]
             gmap.set(base, node, len(flat), base._version + bump)
 
-        if writes and not fresh:
+        if writes and not (fresh or over):
             returned = {id(o) for o in flat if isinstance(o, _Tensor)}
             for t in written.values():
                 if id(t) not in returned:
@@ -657,7 +661,8 @@ class Tracer(TorchDispatchMode):
         return out
 
     @staticmethod
-    def _recomputable(graph: Graph, func, info, args, kwargs, nout, frame, scratch=(), same=()) -> Node:
+    def _recomputable(graph: Graph, func, info, args, kwargs, nout, frame, scratch=(), same=(),
+                      shape_only=()) -> Node:
         # Note [Node inputs are one flat tuple] (_nodes.py), in argument order. Built by
         # tuple concatenation (arguments are few); a tensor list (cat of many) in one step.
         # The node is made after the walk: a leaf the walk makes for an unknown argument
@@ -677,7 +682,7 @@ class Tracer(TorchDispatchMode):
                     continue
                 if same and i in same:  # filled with the written tensor (Note [Writes inside a region])
                     continue
-                if i in info.shape_only and type(a) in _PLAIN:  # Note [Arguments read for their shape] (_writes.py)
+                if i in shape_only and type(a) in _PLAIN:  # Note [Arguments read for their shape] (_writes.py)
                     like += ((i, tuple(a.size()), tuple(a.stride()), a.dtype, a.device),)
                     continue
                 e = gmap_get(id(a))

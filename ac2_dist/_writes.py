@@ -57,6 +57,22 @@ Note [Writes inside a region]
     replayed like a write into a computed value (each read of a literal is a new
     tensor).
 
+Note [Writes that overwrite]
+    ``b.copy_(src)``, ``b.fill_(v)``, ``b.zero_()`` write every element of ``b`` and read
+    none of them: the value they leave depends on their other arguments alone. When the
+    written tensor is not a view (a view's base keeps bytes the write did not touch),
+    no other argument shares its storage and the op is not saved, the write is recorded
+    as a recomputable op whose destination is an argument read for its shape (Note
+    [Arguments read for their shape]): the replay writes into a new tensor with the
+    written one's sizes and strides, whatever the written tensor is -- a region input,
+    a parameter, a buffer, a saved value or a value the region computed. The tensor
+    itself is then never held for its value after the write: a later write to it in the
+    region (``b.copy_(h); b.clamp_(...)``) is a write into a value the region computed
+    (rule 1 of Note [Writes inside a region]), replayed, not copied first; and a write
+    to it after the region does not concern the graph. The write still runs once in
+    forward, on the tensor itself; held values on its storage that a replay reads are
+    copied before it as for any write (rule 2).
+
 Note [Arguments read for their shape]
     ``empty_like(b)``, ``zeros_like``, ``rand_like``, ``b.new_zeros(...)`` ... read only
     their tensor argument's sizes, strides, dtype and device. The tracer records that
@@ -302,3 +318,20 @@ def write_aliases(written: dict[int, torch.Tensor], base: torch.Tensor | None, a
             return None
         rebuilt += ((pos, tuple(a.size()), tuple(a.stride()), a.storage_offset()),)
     return same, rebuilt
+
+
+def overwritten(info: Any, written: dict[int, torch.Tensor], args: tuple, kwargs: dict) -> bool:
+    """The op writes all of one tensor that is not a view, from arguments that do not
+    share its storage (Note [Writes that overwrite])."""
+    if not info.overwrites or len(written) != 1:
+        return False
+    (w,) = written.values()
+    if w._base is not None or not _plain_strided(w) or w is not args[0]:
+        return False
+    key = storage_key(w)
+    if key is None:
+        return False
+    for a in list(args[1:]) + list(kwargs.values()):
+        if isinstance(a, _Tensor) and storage_key(a) == key:
+            return False
+    return True

@@ -134,6 +134,10 @@ class OpInfo:
     #: and device (``empty_like``, ``new_zeros``, ``rand_like`` ...): Note [Arguments read
     #: for their shape] in _writes.py.
     shape_only: tuple[int, ...] = ()
+    #: The op writes every element of ``self`` (its one written argument) without reading
+    #: what was there (``copy_``, ``fill_``, ``zero_``): Note [Writes that overwrite] in
+    #: _writes.py.
+    overwrites: bool = False
 
     def writes(self, args: tuple) -> bool:
         """True if this call writes one of its arguments."""
@@ -373,6 +377,7 @@ def _build(op: torch._ops.OpOverload) -> OpInfo:
         guarded=guarded,
         written_lists=written_lists,
         shape_only=(0,) if op.namespace == "aten" and schema.name in _SHAPE_ONLY else (),
+        overwrites=op.namespace == "aten" and (schema.name, schema.overload_name) in _OVERWRITES,
     )
 
 
@@ -382,6 +387,11 @@ _SHAPE_ONLY = frozenset(f"aten::{name}" for name in (
     "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
     "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
 ))
+
+# Ops that write all of ``self`` from their other arguments alone (Note [Writes that
+# overwrite] in _writes.py).
+_OVERWRITES = frozenset({("aten::copy_", ""), ("aten::fill_", "Scalar"), ("aten::fill_", "Tensor"),
+                         ("aten::zero_", "")})
 
 
 # What ``OpOverload.__call__`` reads, in the two shapes the tracer skips (Note [The

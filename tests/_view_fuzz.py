@@ -1032,14 +1032,19 @@ class _OpValues(TorchDispatchMode):
     forward call of a torch checkpoint and its recompute (Note [A reference must recompute
     what forward computed])."""
 
-    def __init__(self) -> None:
+    def __init__(self, state: tuple = ()) -> None:
         super().__init__()
         self.calls: list[list[tuple[str, list]]] = []
         self.depth = 0
+        self.state = state  # the captured state the region may write (w, h, b)
+        self.starts: list[dict[int, int]] = []  # per call: state storage -> version at its start
+        self.read_at_start: list[set[int]] = []  # per call: state storages read before any write
 
     def wrap(self, fn: Callable) -> Callable:
         def counted(*args: Any) -> Any:
             self.calls.append([])
+            self.starts.append({t.untyped_storage()._cdata: t._version for t in self.state})
+            self.read_at_start.append(set())
             self.depth += 1
             try:
                 return fn(*args)
@@ -1048,11 +1053,23 @@ class _OpValues(TorchDispatchMode):
         return counted
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.depth:
+            start = self.starts[-1]
+            skip = args[0] if func in _OVERWRITES and args else None  # written, not read
+            for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(a, torch.Tensor) and a is not skip:
+                    key = a.untyped_storage()._cdata
+                    if start.get(key) == a._version:
+                        self.read_at_start[-1].add(key)
         out = func(*args, **(kwargs or {}))
         if self.depth:
             flat = [o.detach().clone() for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
             self.calls[-1].append((str(func), flat))
         return out
+
+
+_OVERWRITES = (torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor,
+               torch.ops.aten.zero_.default)
 
 
 def torch_recompute_is_faithful(program: Program) -> bool:
@@ -1064,11 +1081,15 @@ def torch_recompute_is_faithful(program: Program) -> bool:
         then its kept bytes look like a reference while they are not one (it keeps
         nothing because it recomputes the wrong thing). So torch's figures count only
         where every op its recompute ran produced forward's values bitwise (untraced
-        run: the recording's copies would count as kept bytes)."""
+        run: the recording's copies would count as kept bytes), and where no op of
+        forward read state as it was before the region while the region then wrote it:
+        the recompute reads the written state, even where the write left the same
+        values (``h[m] = h.clone()[m]``). The destination of a write that overwrites
+        all of it (``copy_``, ``fill_``, ``zero_``) is not read."""
     make = program.compile()
     leaves, args, state = _make_args(_inputs(program.seed))
     fn = make(*state)
-    rec = _OpValues()
+    rec = _OpValues(state)
     try:
         with rec:
             torch.manual_seed(program.seed)
@@ -1080,6 +1101,10 @@ def torch_recompute_is_faithful(program: Program) -> bool:
         return False
     if len(rec.calls) < 2:
         return True  # nothing recomputed
+    # A recompute that read state the region wrote since forward read it computes from
+    # the written value, whatever values it happened to produce.
+    if any(rec.starts[1][key] != rec.starts[0][key] for key in rec.read_at_start[0]):
+        return False
     # torch's recompute detaches what it saves: those ops are its own, not the program's
     forward, again = ([c for c in call if c[0] != "aten.detach.default"] for call in rec.calls[:2])
     if len(again) > len(forward):

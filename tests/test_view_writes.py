@@ -701,3 +701,87 @@ def test_write_after_the_region_gives_eager_gradients_or_an_error_suggesting_not
         return
     if not bitwise_equal(got, want):
         pytest.fail(f"gradient differs from eager's: max abs {(got - want).abs().max().item():.3g}")
+
+
+# ---- writes that overwrite all of a tensor (fuzzer seed 103617) ----------------------
+
+
+def _state_overwritten_then_written_again():
+    """A buffer filled from a captured value, then clamped in place and read: the fill is
+    replayed into a new tensor, so neither the buffer nor a copy of it is kept (torch's
+    checkpoint keeps nothing: its recompute writes the buffer again)."""
+    (x,) = _leaves((4, 6))
+    h = torch.linspace(-1, 1, 24).view(4, 6)
+    b = torch.zeros(4, 6)
+
+    def fn(x):
+        b.copy_(h * x)
+        b.clamp_(-0.5, 0.5)  # autograd keeps b's value before this write (a clone)
+        return b.tanh() * x
+
+    return [x], (x,), fn
+
+
+def _accumulator_zeroed_then_filled():
+    """An accumulator buffer reset with ``zero_`` and filled by ``index_add_`` each step."""
+    (x,) = _leaves((4, 6))
+    acc = torch.full((4, 6), 3.0)
+
+    def fn(x):
+        acc.zero_()
+        acc.index_add_(0, torch.tensor([3, 1, 2, 0]), x.sin())
+        return (acc * x).cos()
+
+    return [x], (x,), fn
+
+
+def _filled_with_a_scalar_tensor():
+    (x,) = _leaves((4, 6))
+    b = torch.randn(4, 6)
+    v = torch.tensor(0.25)
+
+    def fn(x):
+        b.fill_(v)
+        b[1:].mul_(x[1:].detach())
+        return (b * x).sum(0)
+
+    return [x], (x,), fn
+
+
+@RECORDERS
+@pytest.mark.parametrize("make", [_state_overwritten_then_written_again, _accumulator_zeroed_then_filled,
+                                  _filled_with_a_scalar_tensor])
+def test_a_write_that_overwrites_is_replayed_into_a_new_tensor(make, python):
+    check(make, ac2_checkpoint, python=python)
+
+
+@RECORDERS
+def test_an_overwritten_buffer_may_be_written_again_before_backward(python):
+    """The next step (or micro-batch) writes the buffer before this one's backward: the
+    graph holds nothing on it, so backward gives eager's gradients."""
+    def step(region: bool) -> torch.Tensor:
+        x = torch.linspace(-2, 2, 24).view(4, 6).requires_grad_()
+        b = torch.zeros(4, 6)
+
+        def fn(x):
+            b.copy_(x.detach() * 0.5)
+            return (b + x).sin()  # eager saves the sum, not b
+
+        y = ac2_checkpoint(fn, (x,), {}) if region else fn(x)
+        b.fill_(7.0)  # the next micro-batch's write
+        return torch.autograd.grad(y.sum(), x)[0]
+
+    with recording_in_python() if python else contextlib.nullcontext():
+        got = step(True)
+    assert bitwise_equal(got, step(False))
+
+
+def test_the_fuzzer_does_not_take_a_recompute_from_written_state_as_a_reference():
+    """Fuzzer seed 102380: the region reads ``h``, then writes it with the values it
+    already has. Torch's recompute reads the written ``h`` (the same values by chance):
+    its kept bytes are no reference. A write that overwrites all of the state before
+    the region reads it (seed 103617) leaves the reference usable."""
+    from _view_fuzz import generate, torch_recompute_is_faithful
+
+    assert not torch_recompute_is_faithful(generate(102380))
+    assert torch_recompute_is_faithful(generate(103617))
