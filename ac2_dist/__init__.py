@@ -60,30 +60,30 @@ from .offload import Offload  # noqa: E402
 from .replay import ReplayConfig  # noqa: E402
 from .side_effects import register_side_effect  # noqa: E402
 
-__all__ = [
-    "CheckpointPolicy",
-    "GraphStats",
-    "MemoryBudget",
-    "Offload",
-    "PolicyContext",
-    "ReplayConfig",
-    "SAVE_WITH_HOOKS",
+__all__ = [  # in the order of the docstring's groups (the API reference follows it)
     "apply_ac",
+    "wrap",
+    "unwrap",
+    "is_checkpointed",
     "apply_ac_policy",
     "apply_ac_policy_fn",
+    "is_checkpoint_enabled",
     "checkpoint",
     "checkpoint_sequential",
     "checkpoint_with",
-    "distributed",
-    "fsdp",
-    "is_checkpoint_enabled",
-    "is_checkpointed",
-    "memory",
-    "offload",
-    "register_side_effect",
+    "CheckpointPolicy",
+    "PolicyContext",
+    "SAVE_WITH_HOOKS",
     "tag_with_policy",
-    "unwrap",
-    "wrap",
+    "MemoryBudget",
+    "ReplayConfig",
+    "Offload",
+    "register_side_effect",
+    "GraphStats",
+    "memory",
+    "distributed",
+    "offload",
+    "fsdp",
 ]
 
 

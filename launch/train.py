@@ -327,7 +327,7 @@ def train(args: argparse.Namespace, device: torch.device) -> float:
     if args.baseline:
         table = baseline(args, device, mesh)
         if table:
-            print(table, flush=True)
+            print("\n" + table, flush=True)
     elif rank == 0:
         print("What each row of the report means: docs/guide/reports.md (glossary).")
     return losses[-1]
