@@ -170,6 +170,41 @@ def test_readme_links_resolve():
     assert not missing, f"README.md links to missing files: {missing}"
 
 
+def test_files_the_docs_name_exist():
+    """A repository path in a code span of the README or the docs (`ac2_dist/_graph.py`,
+    `launch/results/*.json`) names a file that exists: the design page's map of the modules
+    cannot point at a module that moved."""
+    import glob
+
+    missing = []
+    for path in markdown_files():
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        for name in re.findall(r"`((?:ac2_dist|launch|tests|docs|\.ci)/[\w./*-]*[\w*])`", text):
+            if not glob.glob(os.path.join(ROOT, name)):
+                missing.append(f"{os.path.relpath(path, ROOT)}: {name}")
+    assert not missing, f"the docs name files that do not exist: {missing}"
+
+
+def test_report_glossary_covers_every_field_and_row():
+    """docs/guide/reports.md's glossary names every RankReport field and every row
+    format_table prints, so a field added to the report cannot go unexplained."""
+    from dataclasses import fields
+
+    from ac2_dist import memory
+
+    with open(os.path.join(ROOT, "docs", "guide", "reports.md"), encoding="utf-8") as f:
+        text = f.read()
+    glossary = text[text.index("## Glossary"):]
+    missing = [f"field {f.name}" for f in fields(memory.RankReport) if not re.search(rf"`{f.name}[`\[]", glossary)]
+    table = memory.format_table([memory.RankReport()]).splitlines()
+    labels = [line.split("  ")[0].strip() if not line.startswith("  saved:") else line.split("  ")[1].strip()
+              for line in table[2:] if line.strip()]
+    assert "peak backward" in labels and "saved: boundary" in labels, table
+    missing += [f"row {label!r}" for label in labels if f"| {label} |" not in glossary]
+    assert not missing, f"the report glossary (docs/guide/reports.md) does not explain: {missing}"
+
+
 def test_every_note_reference_is_defined():
     """The design page's index of Notes is generated from the code (docs/_ext/notes_index.py);
     a reference to a Note defined nowhere fails here and in the strict docs build."""
