@@ -601,7 +601,8 @@ class Graph(Replayer):
         uses[node.seq + idx] += 1
         if node.scheduled or node.saved is not None and node.saved[idx] is not None:
             return  # the common cases: no walk (the first value is the one just armed)
-        if node.cut or node.values is not None and node.values[idx] is not None:
+        cuts = self.has_cuts  # without cut nodes no node's ``cut`` is read (a class default)
+        if cuts and node.cut or node.values is not None and node.values[idx] is not None:
             return
         node.scheduled = True
         # A stack of input tuples, walked in place (Note [Node inputs are one flat
@@ -610,13 +611,16 @@ class Graph(Replayer):
         todo = [node.inputs]
         while todo:
             inp = todo.pop()
-            for k in range(1, len(inp), 3):
+            k, end = 1, len(inp)
+            while k < end:  # cheaper than range() for the one or two inputs most ops have
                 n = inp[k]
                 i = inp[k + 1]
+                k += 3
                 uses[n.seq + i] += 1
-                if n.saved is not None and n.saved[i] is not None:
+                saved = n.saved
+                if saved is not None and saved[i] is not None:
                     continue
-                if not n.scheduled and not n.cut and not (n.values is not None and n.values[i] is not None):
+                if not n.scheduled and not (cuts and n.cut) and not (n.values is not None and n.values[i] is not None):
                     n.scheduled = True
                     todo.append(n.inputs)
 
@@ -631,14 +635,20 @@ class Graph(Replayer):
             return v
         values = node.values
         v = values[idx]
-        uses[k] -= 1
-        if uses[k] <= 0:
-            uses[k] = 0
-            values[idx] = None
-            if isinstance(v, torch.Tensor):
-                self.stats.cached_bytes -= tensor_nbytes(v)
-            if all(x is None for x in values):
-                node.values = None
+        left = uses[k] - 1
+        if left > 0:
+            uses[k] = left
+            return v
+        uses[k] = 0
+        values[idx] = None
+        if isinstance(v, torch.Tensor):
+            try:  # tensor_nbytes(v), inlined (once per recomputed value)
+                nbytes = v.numel() * v.element_size()
+            except Exception:
+                nbytes = 0
+            self.stats.cached_bytes -= nbytes
+        if values.count(None) == len(values):  # all None (no generator per call)
+            node.values = None
         return v
 
     def _free_saved(self, node: Node, idx: int) -> None:
@@ -725,11 +735,22 @@ class Graph(Replayer):
                 return self.executor.realize(self, h.node, h.idx)
             if h.consumed_task is not None and h.consumed_task != task:
                 self._new_epoch(task)  # a retained graph differentiated again
-            v = self._existing(h.node, h.idx) if self.executor.takes_existing else _MISSING
-            if v is _MISSING:
-                v = self.executor.realize(self, h.node, h.idx)
-            _took(h, task)
-            return _remember(h, v)
+            node, idx = h.node, h.idx
+            saved, values = node.saved, node.values
+            if (saved is None or saved[idx] is None) and values is not None and values[idx] is not None \
+                    and self.executor.takes_existing:
+                v = self.take(node, idx)  # _existing's first case, inlined (Note [Unpacking a value that exists])
+            else:
+                v = self._existing(node, idx) if self.executor.takes_existing else _MISSING
+                if v is _MISSING:
+                    v = self.executor.realize(self, node, idx)
+            # _took(h, task) and _remember(h, v), inlined (one unpack per saved tensor)
+            if h.consumed_task is None:
+                h.consumed_task, h.taken = task, 1
+            else:
+                h.taken += 1
+            h.last = weakref.ref(v) if isinstance(v, torch.Tensor) else None
+            return v
 
     def _backward_begins(self) -> None:
         fn, self.on_backward = self.on_backward, None

@@ -43,20 +43,22 @@ Note [A private replay holds what it reads]
 
 from __future__ import annotations
 
+import operator
 from array import array
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._nodes import flatten_outputs, producers, tensor_nbytes
+from .side_effects import _INFO
 
 if TYPE_CHECKING:
     from ._graph import GraphStats
     from ._nodes import Node, RngChain
 
 
-def _node_seq(n: Node) -> int:
-    return n.seq
+_node_seq = operator.attrgetter("seq")  # a sort key without a Python call per node
+_Tensor = torch.Tensor
 
 
 def _owns_storage(v: torch.Tensor) -> bool:
@@ -109,25 +111,146 @@ class Replayer:
         if node.cut:
             self._fill_cut(node)
             return
-        for n in self._missing(node):
-            if n.cut:
-                self._fill_cut(n)
-            else:
-                self._run(n)
+        # Note [The plain replay path]
+        #     Replaying costs Python per op, and most replayed nodes are plain: no output
+        #     saved, scheduled (so not cut: ``arm`` never schedules a cut node and
+        #     ``Graph.cut`` unschedules one), no list argument, nothing written in place
+        #     (``same``/``rebuilt`` arguments come with a write), no scratch or shape-only
+        #     (``like``) argument, no RNG chain. Those run in this loop's frame, doing what
+        #     ``_run`` (``_execute`` + ``_keep``) does for them with ``take`` inlined for
+        #     recomputed inputs (a saved input still goes through ``take``), the op called
+        #     as the executor's ``run`` would call it (``calls_ops_directly``: the tracer's
+        #     ``OpInfo.call``) and the op and byte counts added once at the end. Any other
+        #     node goes through ``_run``. A node of an ``OpInfo.plain`` op skips the
+        #     checks of the rare fields (Note [Rare node fields live in a lazy dict] in
+        #     _nodes.py): the tracer sets them only for list arguments, accumulators,
+        #     writes and random draws, and an op with any of those is not plain. Values,
+        #     use counts, freeing at the last use and statistics come out as ``_run``
+        #     makes them (test_replay_paths.py compares the two paths): a change to what
+        #     ``take``, ``_execute`` or ``_keep`` do is a change here too.
+        uses, stats, run, take = self.uses, self.stats, self.executor.run, self.take
+        direct, infos = self.executor.calls_ops_directly, _INFO
+        tracked = self.tracker is not None
+        ops = allocated = 0
+        try:
+            for n in self._missing(node):
+                op = n.op
+                info = infos.get(id(op))
+                if (n.saved is not None or not n.scheduled or info is None
+                        or not info.plain and (n.lists or n.writes or n.scratch or n.like or n.rng is not None)):
+                    if n.cut:
+                        self._fill_cut(n)
+                    else:
+                        self._run(n)
+                    continue
+                n.scheduled = False
+                args = list(n.args)
+                kwargs = dict(n.kwargs) if n.kwargs else {}
+                inp = n.inputs
+                k, end = 0, len(inp)
+                while k < end:  # cheaper than range() for the one or two inputs most ops have
+                    m = inp[k + 1]
+                    j = inp[k + 2]
+                    saved = m.saved
+                    if saved is None or saved[j] is None:  # take(m, j) for a recomputed value
+                        u = m.seq + j
+                        left = uses[u] - 1
+                        values = m.values
+                        v = values[j]
+                        if left > 0:
+                            uses[u] = left
+                        else:  # its last use: dropped
+                            uses[u] = 0
+                            values[j] = None
+                            if isinstance(v, _Tensor):
+                                try:  # tensor_nbytes(v), inlined
+                                    stats.cached_bytes -= v.numel() * v.element_size()
+                                except Exception:
+                                    pass
+                            if values.count(None) == len(values):
+                                m.values = None
+                    else:
+                        v = take(m, j)
+                    pos = inp[k]
+                    k += 3
+                    if type(pos) is int:
+                        args[pos] = v
+                    else:
+                        kwargs[pos] = v
+                if not direct or info.guarded and op._op is not info.call:
+                    out = run(n, args, kwargs)
+                else:
+                    out = info.call(*args, **kwargs)
+                ops += 1
+                if isinstance(out, _Tensor):  # one output
+                    try:  # tensor_nbytes(out), inlined
+                        made = out.numel() * out.element_size()
+                    except Exception:
+                        made = 0
+                    if uses[n.seq] > 0:
+                        cached = made
+                        flat = [out]
+                    else:
+                        cached = 0
+                        flat = [None]
+                    if out._is_view():  # views allocate nothing
+                        made = 0
+                else:
+                    flat = flatten_outputs(out)
+                    made = cached = 0
+                    seq = n.seq
+                    for i, v in enumerate(flat):
+                        if isinstance(v, _Tensor):
+                            try:  # tensor_nbytes(v), inlined
+                                nbytes = v.numel() * v.element_size()
+                            except Exception:
+                                nbytes = 0
+                            if not v._is_view():
+                                made += nbytes
+                            if uses[seq + i] > 0:
+                                cached += nbytes
+                                continue
+                        flat[i] = None
+                allocated += made
+                if tracked:
+                    by_module = stats.recomputed_by_module
+                    by_module[n.fqn] = by_module.get(n.fqn, 0) + made
+                if cached:
+                    stats.cached_bytes += cached
+                    if stats.cached_bytes > stats.peak_cached_bytes:
+                        stats.peak_cached_bytes = stats.cached_bytes
+                n.values = flat
+        finally:
+            stats.recomputed_ops += ops
+            stats.recomputed_bytes += allocated
 
     @staticmethod
     def _missing(node: Node) -> list[Node]:
         """Nodes to run (or cut nodes to fill) for ``node``'s outputs, in program order;
         the walk stops at values that exist and at cut nodes."""
-        todo = {node}
-        stack = [node]
+        # A stack of input tuples walked in place, ``Node.has_value`` inlined (Note
+        # [Node inputs are one flat tuple]: no Python call per edge). ``todo`` keeps the
+        # order nodes are found in, mostly against program order: the sort runs in ~n.
+        todo = {node: None}
+        stack = [node.inputs]
         while stack:
-            n = stack.pop()
-            for m, j in producers(n):
-                if m not in todo and not m.has_value(j):
-                    todo.add(m)
-                    if not m.cut:
-                        stack.append(m)
+            inp = stack.pop()
+            k, end = 1, len(inp)
+            while k < end:
+                m = inp[k]
+                j = inp[k + 1]
+                k += 3
+                if m in todo:
+                    continue
+                saved = m.saved
+                if saved is not None and saved[j] is not None:
+                    continue
+                values = m.values
+                if values is not None and values[j] is not None:
+                    continue
+                todo[m] = None
+                if m.scheduled or not m.cut:  # a scheduled node is never cut (Graph.cut)
+                    stack.append(m.inputs)
         return sorted(todo, key=_node_seq)
 
     def _fill_cut(self, cut: Node) -> None:

@@ -237,6 +237,11 @@ class InlineExecutor:
     #: Called with every saved value a replay or an unpack reads, or None: on the
     #: calling stream there is nothing to guard (Note [Tensors that cross streams]).
     guard_read: Callable[[Any], None] | None = None
+    #: ``run`` of a node without an RNG chain only calls the op: the plain replay path
+    #: calls it itself, as the tracer did in forward (``OpInfo.call``, what ``op(...)``
+    #: ends in), two Python frames less per op (Note [The plain replay path] in
+    #: _replayer.py). An executor whose ``run`` does more per op sets this False.
+    calls_ops_directly = True
 
     def __init__(self, thread_state: Any) -> None:
         self._state_of_thread = thread_state

@@ -1,7 +1,7 @@
 """The cost of recording: per-op forward and backward cost of each checkpointing mode.
 
 One region holding a chain of tiny ops (``tanh`` then ``mul`` by a weight, 16-element
-tensors: the per-op Python cost dominates), at 1k, 4k, 16k and 64k ops, one thread.
+tensors by default: the per-op Python cost dominates), at 1k, 4k, 16k and 64k ops, one thread.
 Modes, interleaved in one process (every mode at every size once per round, so machine
 drift hits all alike, the growth with size included; medians over the rounds):
 
@@ -59,11 +59,20 @@ syscall counts as one instruction. The garbage collector's work inside the measu
 is included.
 
     python launch/bench_tracer.py --instructions --sizes 1000 4000 --jobs 2
+
+``--numel N --scale S`` changes the chain to ``tanh(h) * S`` (a Python number, ``mul`` saves
+nothing: one saved tensor per two ops) on ``N``-element tensors; ``--numel 64 --scale 1.0001``
+is the chain issue 44 measured ac2's backward per op on (every op replayed, half as many unpacks
+as the weight chain's).
+
+    python launch/bench_tracer.py --instructions --sizes 4000 --phases bwd --modes ac2-full torch-full \
+        --numel 64 --scale 1.0001 --jobs 2
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import importlib
@@ -151,16 +160,33 @@ def _unpack_floor(packed: tuple) -> torch.Tensor:
     return packed[1]
 
 
-def chain(x: torch.Tensor, w: torch.Tensor, n_ops: int) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """The chain's shape: ``numel``-element tensors; ``tanh`` then ``mul`` by the weight
+    ``w`` (``scale`` None: ``mul`` saves both operands) or by the Python number ``scale``
+    (``tanh(x) * 1.0001``: ``mul`` saves nothing, one saved tensor per two ops)."""
+
+    numel: int = 16
+    scale: float | None = None
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(self.numel, requires_grad=True), torch.randn(self.numel, requires_grad=True)
+
+
+def chain(x: torch.Tensor, w: torch.Tensor, n_ops: int, scale: float | None = None) -> torch.Tensor:
     h = x
+    if scale is not None:
+        for _ in range(n_ops // 2):
+            h = torch.tanh(h) * scale
+        return h
     for _ in range(n_ops // 2):
         h = torch.tanh(h) * w
     return h
 
 
-def forward_fn(mode: str, n_ops: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def forward_fn(mode: str, n_ops: int, spec: Chain = Chain()) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``fn(x, w) -> out``: ``n_ops`` ATen ops recorded the way ``mode`` records them."""
-    run = functools.partial(chain, n_ops=n_ops)
+    run = functools.partial(chain, n_ops=n_ops, scale=spec.scale)
     if mode == "eager":
         return run
     if mode == "torch-full":
@@ -215,12 +241,13 @@ def one_step(fn: Callable, x: torch.Tensor, w: torch.Tensor) -> tuple[float, flo
     return t1 - t0, t2 - t1
 
 
-def measure(sizes: list[int], rounds: int, warmup: int, modes: list[str]) -> dict[int, dict[str, dict]]:
+def measure(
+    sizes: list[int], rounds: int, warmup: int, modes: list[str], spec: Chain = Chain(),
+) -> dict[int, dict[str, dict]]:
     """Every (size, mode) once per round, interleaved: machine drift during the run hits
     every size alike, so the growth from 1k to 64k ops is not a drift between sizes."""
-    x = torch.randn(16, requires_grad=True)
-    w = torch.randn(16, requires_grad=True)
-    fns = {(n, m): forward_fn(m, n) for n in sizes for m in modes}
+    x, w = spec.inputs()
+    fns = {(n, m): forward_fn(m, n, spec) for n in sizes for m in modes}
     for _ in range(warmup):
         for fn in fns.values():
             one_step(fn, x, w)
@@ -246,11 +273,10 @@ def measure(sizes: list[int], rounds: int, warmup: int, modes: list[str]) -> dic
     }
 
 
-def heap_per_op(n_ops: int, policy: Any, pkg: Any = ac) -> float:
+def heap_per_op(n_ops: int, policy: Any, pkg: Any = ac, spec: Chain = Chain()) -> float:
     """Python heap (tracemalloc) kept per recorded op by one region's forward."""
-    x = torch.randn(16, requires_grad=True)
-    w = torch.randn(16, requires_grad=True)
-    run = functools.partial(chain, n_ops=n_ops)
+    x, w = spec.inputs()
+    run = functools.partial(chain, n_ops=n_ops, scale=spec.scale)
 
     def region():
         with pkg.apply_ac_policy(policy):
@@ -269,15 +295,14 @@ def heap_per_op(n_ops: int, policy: Any, pkg: Any = ac) -> float:
     return kept / n_ops
 
 
-def forward_gc_paused(sizes: list[int], rounds: int) -> dict[int, float]:
+def forward_gc_paused(sizes: list[int], rounds: int, spec: Chain = Chain()) -> dict[int, float]:
     """Diagnostic: ``ac2-full`` forward us/op with the cyclic garbage collector paused
     for the timed forward only (re-enabled and run before the next one). The difference
     to the plain figure is what full collections cost; never what ac2 does by itself.
     Sizes are interleaved per round after one warm-up round, as in :func:`measure`: a
     transient slowdown (the heap measurement runs right before) moves one sample."""
-    x = torch.randn(16, requires_grad=True)
-    w = torch.randn(16, requires_grad=True)
-    fns = {n: forward_fn("ac2-full", n) for n in sizes}
+    x, w = spec.inputs()
+    fns = {n: forward_fn("ac2-full", n, spec) for n in sizes}
     fwd: dict[int, list[float]] = {n: [] for n in sizes}
     for r in range(rounds + 1):
         for n in sizes:
@@ -297,7 +322,9 @@ def forward_gc_paused(sizes: list[int], rounds: int) -> dict[int, float]:
     return {n: statistics.median(fwd[n]) / n * 1e6 for n in sizes}
 
 
-def collector_in_a_loop(sizes: list[int], total_ops: int, modes: tuple[str, ...]) -> dict[str, dict[int, dict]]:
+def collector_in_a_loop(
+    sizes: list[int], total_ops: int, modes: tuple[str, ...], spec: Chain = Chain(),
+) -> dict[str, dict[int, dict]]:
     """Diagnostic: the cyclic collector's share of a forward in a training loop. For each
     size, steps of that many ops (forward and backward) back to back until ``total_ops``
     ops ran, with no collection forced between steps (one before the first): what a
@@ -305,13 +332,12 @@ def collector_in_a_loop(sizes: list[int], total_ops: int, modes: tuple[str, ...]
     generation and trigger full collections. Measured with ``gc.callbacks`` during the
     forwards: microseconds per op spent in the collector, the forward's microseconds per
     op, and the number of full (generation 2) collections."""
-    x = torch.randn(16, requires_grad=True)
-    w = torch.randn(16, requires_grad=True)
+    x, w = spec.inputs()
     out: dict[str, dict[int, dict]] = {}
     for mode in modes:
         out[mode] = {}
         for n in sizes:
-            fn = forward_fn(mode, n)
+            fn = forward_fn(mode, n, spec)
             one_step(fn, x, w)  # warm caches
             spent, full, started, timing = [0.0], [0], [0.0], [False]
 
@@ -434,18 +460,17 @@ def paired(results: dict[int, dict[str, dict]], mode: str, base: str) -> str:
 _OWN_BACKWARD = ("eager", "torch-full", "torch-sac", "ac2-full", "ac2-save", "base-full", "base-save", "ac2-full-py")
 
 
-def instructions_child(mode: str, n_ops: int, phase: str, go: str) -> None:
+def instructions_child(mode: str, n_ops: int, phase: str, go: str, spec: Chain = Chain()) -> None:
     """Run inside callgrind: two warm-up steps, then one forward (or backward) through
     ``operator.call``, the only call the parent's ``--toggle-collect`` counts. The
     process starts uninstrumented (imports at full speed); it says it is ready and waits
     for the file ``go``, which the parent makes once it switched instrumentation on."""
     torch.set_num_threads(1)
-    x = torch.randn(16, requires_grad=True)
-    w = torch.randn(16, requires_grad=True)
-    warm = forward_fn(mode, min(n_ops, 1000))  # op facts, policy answers, specialized bytecode
+    x, w = spec.inputs()
+    warm = forward_fn(mode, min(n_ops, 1000), spec)  # op facts, policy answers, specialized bytecode
     for _ in range(2):
         one_step(warm, x, w)
-    fn = forward_fn(mode, n_ops)
+    fn = forward_fn(mode, n_ops, spec)
     x.grad = w.grad = None
     gc.collect()
     print(f"ready {os.getpid()}", flush=True)
@@ -464,6 +489,7 @@ def instructions_child(mode: str, n_ops: int, phase: str, go: str) -> None:
 
 def count_instructions(
     modes: list[str], sizes: list[int], jobs: int, baseline: str | None, phases: tuple[str, ...] = ("fwd", "bwd"),
+    spec: Chain = Chain(),
 ) -> dict[int, dict[str, dict[str, float]]]:
     """Instructions per op of each mode's forward (and backward, where it is the mode's
     own) at each size, one callgrind process each, ``jobs`` at a time."""
@@ -481,6 +507,7 @@ def count_instructions(
                os.path.abspath(__file__), "--instructions-child", m, str(n), ph, f"{stem}.go"]
         if baseline:
             cmd += ["--baseline", baseline]
+        cmd += ["--numel", str(spec.numel)] + (["--scale", repr(spec.scale)] if spec.scale is not None else [])
         with open(f"{stem}.err", "w+") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
             try:
@@ -522,16 +549,19 @@ def report_instructions(counts: dict[int, dict[str, dict[str, float]]]) -> str:
                   ratio(r, "ac2-full", "torch-full", "bwd")]
         lines.append(f"| {_size(n)} | " + " | ".join(cells) + " |")
     sizes = list(counts)
-    if len(sizes) > 1:
+    lines.append("")
+    if len(sizes) > 1 and any("fwd" in r for r in counts[sizes[0]].values()):
         first, last = counts[sizes[0]], counts[sizes[-1]]
-        lines.append("")
         lines.append(f"forward per op at {_size(sizes[-1])} ops / at {_size(sizes[0])}: " + ", ".join(
-            f"{m} {last[m]['fwd'] / first[m]['fwd']:.3f}" for m in modes))
+            f"{m} {last[m]['fwd'] / first[m]['fwd']:.3f}" for m in modes if "fwd" in first[m]))
     if "base-full" in modes:
-        lines.append("this / baseline, forward: " + ", ".join(
-            f"{_size(n)} full {r['ac2-full']['fwd'] / r['base-full']['fwd']:.3f}"
-            + (f", save-list {r['ac2-save']['fwd'] / r['base-save']['fwd']:.3f}" if "ac2-save" in r else "")
-            for n, r in counts.items() if "ac2-full" in r))
+        for ph, phase in (("fwd", "forward"), ("bwd", "backward")):
+            cells = [f"{_size(n)} {name} {ratio(r, mode, base, ph)}"
+                     for n, r in counts.items()
+                     for name, mode, base in (("full", "ac2-full", "base-full"), ("save-list", "ac2-save", "base-save"))
+                     if ratio(r, mode, base, ph)]
+            if cells:
+                lines.append(f"this / baseline, {phase}: " + ", ".join(cells))
     return "\n".join(lines)
 
 
@@ -552,30 +582,35 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="callgrind processes at a time")
     p.add_argument("--phases", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"],
                    help="with --instructions: what to count")
+    p.add_argument("--numel", type=int, default=16, help="elements per tensor of the chain")
+    p.add_argument("--scale", type=float, default=None,
+                   help="multiply by this Python number instead of the weight (tanh(x) * 1.0001)")
     p.add_argument("--instructions-child", nargs=4, metavar=("MODE", "OPS", "PHASE", "GO"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    spec = Chain(args.numel, args.scale)
     if args.baseline:
         import_baseline(args.baseline)
     if args.instructions_child:
         mode, n_ops, phase, go = args.instructions_child
-        instructions_child(mode, int(n_ops), phase, go)
+        instructions_child(mode, int(n_ops), phase, go, spec)
         return {}
     modes = args.modes if "eager" in args.modes else ["eager", *args.modes]
     if args.baseline:
         modes += [m for m in ("base-full", "base-save") if m not in modes]
     if args.instructions:
-        counts = count_instructions(modes, args.sizes, args.jobs, args.baseline, tuple(args.phases))
+        counts = count_instructions(modes, args.sizes, args.jobs, args.baseline, tuple(args.phases), spec)
         print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, 1 thread; thousands of CPU instructions"
               " per op (callgrind), forward / backward")
-        print(report_instructions(counts))
-        if args.json:
+        if args.json:  # first: a report that fails loses no measurement
             with open(args.json, "w") as f:
                 json.dump({"instructions_per_op": counts}, f, indent=2)
+        print(report_instructions(counts))
         return {"instructions_per_op": counts}
-    results = measure(args.sizes, args.rounds, args.warmup, modes)
-    heap = {"ac2-full": heap_per_op(args.heap_ops, "recompute_all"), "ac2-save": heap_per_op(args.heap_ops, SAVE)}
-    paused = forward_gc_paused([args.sizes[0], args.sizes[-1]], args.rounds)
+    results = measure(args.sizes, args.rounds, args.warmup, modes, spec)
+    heap = {"ac2-full": heap_per_op(args.heap_ops, "recompute_all", spec=spec),
+            "ac2-save": heap_per_op(args.heap_ops, SAVE, spec=spec)}
+    paused = forward_gc_paused([args.sizes[0], args.sizes[-1]], args.rounds, spec)
     if set(MODES) <= set(modes):
         print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, 1 thread, {args.rounds} rounds;"
               " us per op, forward / backward (median over rounds)")
@@ -583,6 +618,9 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         for n, r in results.items():
             print(n, {m: (round(v["fwd_us"], 2), round(v["bwd_us"], 2)) for m, v in r.items()})
+            for mode in ("ac2-full", "base-full"):
+                if mode in r and "torch-full" in r:
+                    print(f"  {mode} / torch-full backward (paired per round): {_ratio(r, mode, 'torch-full', 'bwd')}")
         print(heap, paused)
     if args.baseline:
         print(f"baseline ({args.baseline}): " + ", ".join(
@@ -597,12 +635,12 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{_size(n)} {r['base-full']['fwd_us'] / r['noop-mode']['fwd_us']:.2f}" for n, r in results.items()))
         base = importlib.import_module("ac2_baseline")
         for name, policy in (("base-full", "recompute_all"), ("base-save", SAVE)):
-            heap[name] = heap_per_op(args.heap_ops, policy, base)
+            heap[name] = heap_per_op(args.heap_ops, policy, base, spec)
             print(f"Python heap kept per recorded op ({name}, tracemalloc): {heap[name]:.0f} B")
     out = {"results": results, "heap_per_op": heap, "ac2_full_fwd_us_gc_paused": paused}
     if args.loop_ops:
         loop_modes = tuple(m for m in ("ac2-full", "ac2-full-py", "noop-mode") if m in modes)
-        out["collector_in_a_loop"] = collector_in_a_loop(args.sizes, args.loop_ops, loop_modes)
+        out["collector_in_a_loop"] = collector_in_a_loop(args.sizes, args.loop_ops, loop_modes, spec)
         print(report_loop(out["collector_in_a_loop"], args.loop_ops))
     if args.json:
         with open(args.json, "w") as f:
