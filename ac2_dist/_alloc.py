@@ -38,6 +38,8 @@ from torch._C._profiler import _ExtraFields_Allocation as _Allocation
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import _disable_current_modes
 
+from . import _quiet
+
 __all__ = ["AllocationTrace", "Phase", "active_trace"]
 
 _MARK_PREFIX = "ac2::mark::"
@@ -47,6 +49,19 @@ _PLAN_PREFIX = "ac2::plan::"
 
 # The AllocationTraces running on this thread, innermost last (Note [One trace, two readers]).
 _local = threading.local()
+
+
+class _QuietProfile(profile):
+    """ac2's own session: kineto prints nothing as it starts and stops (Note [ac2's
+    profiler session prints nothing] in _quiet.py)."""
+
+    def start_trace(self) -> None:
+        with _quiet.kineto_quiet():
+            super().start_trace()
+
+    def stop_trace(self) -> None:
+        with _quiet.kineto_quiet():
+            super().stop_trace()
 
 
 def active_trace() -> AllocationTrace | None:
@@ -105,12 +120,16 @@ class AllocationTrace:
             top.preempt()
         # CPU activity only: allocations of every device are reported to the session by
         # their allocator; ``device_type`` picks the ones counted when it exits.
-        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+        prof = _QuietProfile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+        _quiet.session_started()
         try:
             prof.__enter__()
         except BaseException:
-            if torch._C._autograd._profiler_enabled():  # it started, then failed
-                prof.__exit__(None, None, None)
+            try:
+                if torch._C._autograd._profiler_enabled():  # it started, then failed
+                    prof.__exit__(None, None, None)
+            finally:
+                _quiet.session_stopped()
             raise
         self._prof = prof
         atexit.register(self._stop_at_exit)
@@ -133,12 +152,14 @@ class AllocationTrace:
         if prof is None:
             return
         self._unregister()
-        if self.preempt is not None:  # a MemoryBudget(peak=...) measuring its last step
+        try:
+            if self.preempt is None:
+                warnings.warn("ac2_dist: a memory tracker was still active at exit (its with-block "
+                              "never ended); its profiler session is stopped now", RuntimeWarning, stacklevel=1)
+            # else: a MemoryBudget(peak=...) measuring its last step, stopped quietly
             prof.__exit__(None, None, None)
-            return
-        warnings.warn("ac2_dist: a memory tracker was still active at exit (its with-block never "
-                      "ended); its profiler session is stopped now", RuntimeWarning, stacklevel=1)
-        prof.__exit__(None, None, None)
+        finally:
+            _quiet.session_stopped()
 
     def mark(self, name: str) -> None:
         """An instant profiler range: only its start time is read back (phase boundary)."""
@@ -159,7 +180,10 @@ class AllocationTrace:
         atexit.unregister(self._stop_at_exit)
         self._unregister()
         prof, self._prof = self._prof, None
-        prof.__exit__(*exc)
+        try:
+            prof.__exit__(*exc)
+        finally:
+            _quiet.session_stopped()
         allocations: list[tuple[int, int, int]] = []  # (time_ns, address, +/- bytes)
         for e in _walk(prof.profiler.kineto_results.experimental_event_tree()):
             name = e.name

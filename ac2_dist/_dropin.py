@@ -120,29 +120,29 @@ def checkpoint(
         debug: accepted (bool); a replay cannot diverge from forward, so there is no
             trace to print.
         preserve_rng_state: accepted (bool); either value regenerates random ops'
-            bits in backward (``rng="replay"``: eager's gradients, nothing kept; Note
-            [torch's checkpoint arguments in ac2]).
+            bits in backward (``rng="replay"``: eager's gradients, nothing kept).
         early_stop: accepted (bool); ac2 always replays only what backward needs.
         respect_saved_tensors_hooks: ``None``/``False``; ``True`` is refused inside
-            user saved-tensor hooks (Note [torch's checkpoint arguments in ac2]).
-        policy: an ac2 policy (CONTRACT §2); default ``"recompute_all"``.
+            user saved-tensor hooks (ac2 keeps its saved values outside them).
+        policy: an ac2 policy (any form :func:`ac2_dist.apply_ac` accepts); default
+            ``"recompute_all"``.
         policy_factory: instead of ``policy``, a zero-argument callable called per call.
         allow_cache_entry_mutation: as for :class:`ac2_dist.apply_ac_policy`.
         **kwargs: passed to ``function``.
 
-    Note [The function's keywords are the function's]
-        torch passes every keyword it does not know to ``function``; so does this
-        drop-in, also for ``policy``, ``policy_factory`` and
-        ``allow_cache_entry_mutation`` whenever ``function`` can take them: a parameter of
-        that name (silently, as torch), or ``**kwargs`` (with a warning naming the
-        keyword). ac2 takes them only from a function that cannot. ``checkpoint_with(
-        policy=...)`` binds ac2's options outside the call, so nothing the function
-        receives can collide with them.
+    Keywords: torch passes every keyword it does not know to ``function``; so does this
+    drop-in, also for ``policy``, ``policy_factory`` and ``allow_cache_entry_mutation``
+    whenever ``function`` can take them: a parameter of that name (silently, as torch), or
+    ``**kwargs`` (with a warning naming the keyword). ac2 takes them only from a function
+    that cannot. ``checkpoint_with(policy=...)`` binds ac2's options outside the call, so
+    nothing the function receives can collide with them.
 
     Returns:
         What ``function`` returns. Inside ``torch.compile`` the call is one
         checkpointed region of the compiled graph with the same policy.
     """
+    # Note [The function's keywords are the function's]: the docstring's "Keywords"
+    # paragraph (torch's rule: a keyword the function can take is the function's).
     options = {"policy": policy, "policy_factory": policy_factory,
                "allow_cache_entry_mutation": allow_cache_entry_mutation}
     ac2: dict[str, Any] = {}
@@ -172,7 +172,8 @@ class checkpoint_with:  # noqa: N801 -- used like a function: checkpoint_with(po
         y = ckpt(block, x, use_reentrant=False, policy=1)   # block receives policy=1
 
     Args:
-        policy: an ac2 policy (CONTRACT §2); default ``"recompute_all"``.
+        policy: an ac2 policy (any form :func:`ac2_dist.apply_ac` accepts); default
+            ``"recompute_all"``.
         policy_factory: instead of ``policy``, a zero-argument callable called per call.
         rng: ``"replay"`` (regenerate random ops' bits in backward) or ``"save"``
             (keep their outputs); ``None`` (the default) is ``"replay"``, as for

@@ -9,12 +9,15 @@ then asks :func:`resolve` for each op and gets back a :data:`Decision`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from ._compat import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD
+
+if TYPE_CHECKING:
+    from .budget import MemoryBudget
 
 __all__ = ["CheckpointPolicy", "SAVE_WITH_HOOKS", "PolicyContext", "PolicyLike", "PolicySource"]
 
@@ -70,7 +73,11 @@ class PolicyContext(SelectiveCheckpointContext):
 
 PolicyFn = Callable[..., CheckpointPolicy | bool | SAVE_WITH_HOOKS]
 OpLike = torch._ops.OpOverload | torch._ops.OpOverloadPacket | torch._ops.HigherOrderOperator
-PolicyLike = str | bool | PolicyFn | Iterable[OpLike] | Mapping[OpLike, CheckpointPolicy]
+# Every form _Frame accepts (a MemoryBudget by name: budget.py imports this module).
+PolicyLike = Union[  # noqa: UP007 (a forward reference cannot be an operand of |)
+    str, bool, CheckpointPolicy, SAVE_WITH_HOOKS, PolicyFn, Iterable[OpLike], Mapping[OpLike, CheckpointPolicy],
+    "MemoryBudget",
+]
 Decision = CheckpointPolicy | SAVE_WITH_HOOKS
 
 _STRINGS: dict[str, CheckpointPolicy] = {

@@ -159,10 +159,10 @@ class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
             would not be the forward's.
         module_fqn: reported to policies as ``ctx.module_fqn``.
         replay: a :class:`ReplayConfig` (where replays run); default: inline on CPU,
-            a CUDA side stream when the block computes on CUDA tensors (Note [The
-            device comes from the tensors] in _device.py).
+            a CUDA side stream when the block computes on CUDA tensors (the device
+            comes from the block's tensors, not from the current device).
 
-    Regions nest; the outermost one records, inner ones add their policy (CONTRACT §2).
+    Regions nest; the outermost one records, inner ones add their policy.
     The object is also a decorator-free context manager for one thread at a time;
     ``stats`` (a :class:`GraphStats`) describes the last outermost use: an empty one
     before the first use, for a region nested in another one (the outer region records),
@@ -372,7 +372,7 @@ def apply_ac_policy_fn(
     ``policy_fn`` defaults to ``"recompute_all"``; ``policy_factory`` (instead of it)
     is a zero-argument callable called at every call for a fresh policy. Inside
     ``torch.compile`` the call becomes one checkpointed region of the compiled graph
-    with the same policy (no graph break; Note [Regions inside compiled code]).
+    with the same policy (no graph break).
     """
     return function_region(fn, args, kwargs, policy_fn, policy_factory, rng, allow_cache_entry_mutation,
                            "apply_ac_policy_fn")
@@ -421,8 +421,8 @@ def tag_with_policy(
     model that tags its tensors also runs without checkpointing.
 
     Inside ``torch.compile`` it returns a tagged copy of ``t`` that the compiled graph
-    saves: use the returned tensor there (Note [Tags inside compiled code] in
-    compile.py). Hooks and CPU offload cannot be tagged in compiled code.
+    saves: use the returned tensor there (if only ``t`` is used afterwards, the tag
+    has no effect). Hooks and CPU offload cannot be tagged in compiled code.
     """
     if policy is True:
         policy = _CP.MUST_SAVE

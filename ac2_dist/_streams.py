@@ -47,15 +47,18 @@ __all__ = ["StreamBackend", "CudaStreams", "CUDA", "region_streams", "simulate",
 
 
 class StreamBackend(abc.ABC):
-    """The stream operations of a device (Note [Stream backends]). Subclasses give the
-    device's operations; the side-stream cache is the same for all of them."""
+    """The stream operations of a device. Subclasses give the device's operations;
+    the side-stream cache is the same for all of them."""
+
+    # See Note [Stream backends].
 
     def __init__(self) -> None:
         self._local = threading.local()  # per thread: {device index: side stream}
 
     def side_stream(self) -> Any:
         """This thread's replay side stream on the current device, made at its first
-        use and reused after that (Note [One side stream per device])."""
+        use and reused after that: one side stream per device and thread."""
+        # See Note [One side stream per device].
         cache = getattr(self._local, "side", None)
         if cache is None:
             cache = self._local.side = {}

@@ -1,4 +1,4 @@
-"""torch.compile: checkpointed modules and functions inside compiled code (CONTRACT §10).
+"""torch.compile: checkpointed modules and functions inside compiled code.
 
 The eager tracer (a TorchDispatchMode, saved-tensor hooks, a module forward hook)
 cannot run inside a dynamo-traced frame: dynamo would break the graph at every
@@ -8,44 +8,44 @@ which dynamo captures as one ``tag_activation_checkpoint`` higher-order op, and 
 policy ``p`` AOTAutograd asks for every op of the joint graph; the min-cut
 partitioner then saves what ``p`` saves and recomputes the rest in the compiled
 backward.
-
-Note [Tags inside compiled code]
-    ``tag_with_policy(t, p)`` marks ``t``'s node in the eager graph. A compiled graph
-    has no such node to mark at trace time, so inside compiled code the call returns
-    ``torch.ops.ac2_dist.tagged(t, must)`` (a copy of ``t`` whose gradient passes
-    through) and :class:`CompiledPolicy` answers ``MUST_SAVE`` / ``PREFER_SAVE`` for
-    it: the partitioner saves that value. Use the returned tensor: if only ``t`` is
-    used afterwards, the tag is dead code and has no effect (eager code may ignore the
-    return value, compiled code may not).
-
-Note [What only eager ac2 does]
-    ``SAVE_WITH_HOOKS`` and CPU offload need ac2's own saved values: a policy returning
-    them inside compiled code is an error naming the op. Replay scheduling (side
-    stream, prefetch) and ``memory.track``'s per-region figures belong to ac2's eager
-    replays: inside compiled code the compiled backward recomputes, an explicit
-    ``ReplayConfig`` is ignored with a warning (once per process), and ``memory.track``
-    counts compiled blocks in its allocator figures only (peaks, bytes kept).
-
-Note [One policy, two executors]
-    ``p`` is :class:`CompiledPolicy`: the same region frames the eager tracer
-    resolves (``_policy.resolve``), plus the eager side-effect rules of CONTRACT §3:
-    collectives, FSDP and registered side-effect ops are MUST_SAVE (never recomputed
-    in the compiled backward), and so are random ops (the compiled backward reuses
-    the forward's bits). What only the eager executor can do (``SAVE_WITH_HOOKS``,
-    CPU offload) is refused with an error naming the op and the feature.
-
-Note [Random writes in the dynamo fallback]
-    Where dynamo breaks the graph inside a checkpointed block it runs torch's selective
-    checkpoint eagerly with :class:`CompiledPolicy` (Note [Dynamo fallback of a
-    compiled region]). There an in-place random op (CPU dropout's ``bernoulli_``) must
-    not be saved: torch caches the tensor it returns, the next op writes it in place
-    (``div_``) and torch refuses the mutated cache entry in backward. The policy
-    therefore answers PREFER_RECOMPUTE for random ops that write their argument when it
-    sees real tensors (eager execution, not AOTAutograd's fake ones): torch's checkpoint
-    restores the RNG state before recomputing (``preserve_rng_state=True``, which ac2
-    always passes), so the recomputed bits are the forward's, whatever ``rng`` says.
-    Out-of-place random ops are still saved, and the compiled path is unchanged.
 """
+
+# Note [Tags inside compiled code]
+#     ``tag_with_policy(t, p)`` marks ``t``'s node in the eager graph. A compiled graph
+#     has no such node to mark at trace time, so inside compiled code the call returns
+#     ``torch.ops.ac2_dist.tagged(t, must)`` (a copy of ``t`` whose gradient passes
+#     through) and :class:`CompiledPolicy` answers ``MUST_SAVE`` / ``PREFER_SAVE`` for
+#     it: the partitioner saves that value. Use the returned tensor: if only ``t`` is
+#     used afterwards, the tag is dead code and has no effect (eager code may ignore the
+#     return value, compiled code may not).
+#
+# Note [What only eager ac2 does]
+#     ``SAVE_WITH_HOOKS`` and CPU offload need ac2's own saved values: a policy returning
+#     them inside compiled code is an error naming the op. Replay scheduling (side
+#     stream, prefetch) and ``memory.track``'s per-region figures belong to ac2's eager
+#     replays: inside compiled code the compiled backward recomputes, an explicit
+#     ``ReplayConfig`` is ignored with a warning (once per process), and ``memory.track``
+#     counts compiled blocks in its allocator figures only (peaks, bytes kept).
+#
+# Note [One policy, two executors]
+#     ``p`` is :class:`CompiledPolicy`: the same region frames the eager tracer
+#     resolves (``_policy.resolve``), plus the eager side-effect rules of CONTRACT §3:
+#     collectives, FSDP and registered side-effect ops are MUST_SAVE (never recomputed
+#     in the compiled backward), and so are random ops (the compiled backward reuses
+#     the forward's bits). What only the eager executor can do (``SAVE_WITH_HOOKS``,
+#     CPU offload) is refused with an error naming the op and the feature.
+#
+# Note [Random writes in the dynamo fallback]
+#     Where dynamo breaks the graph inside a checkpointed block it runs torch's selective
+#     checkpoint eagerly with :class:`CompiledPolicy` (Note [Dynamo fallback of a
+#     compiled region]). There an in-place random op (CPU dropout's ``bernoulli_``) must
+#     not be saved: torch caches the tensor it returns, the next op writes it in place
+#     (``div_``) and torch refuses the mutated cache entry in backward. The policy
+#     therefore answers PREFER_RECOMPUTE for random ops that write their argument when it
+#     sees real tensors (eager execution, not AOTAutograd's fake ones): torch's checkpoint
+#     restores the RNG state before recomputing (``preserve_rng_state=True``, which ac2
+#     always passes), so the recomputed bits are the forward's, whatever ``rng`` says.
+#     Out-of-place random ops are still saved, and the compiled path is unchanged.
 
 from __future__ import annotations
 
@@ -90,7 +90,8 @@ def skip_dynamo(fn: Any) -> Any:
 
 @torch.library.custom_op("ac2_dist::tagged", mutates_args=())
 def tagged(t: torch.Tensor, must: bool) -> torch.Tensor:
-    """A copy of ``t`` the compiled graph saves (Note [Tags inside compiled code])."""
+    """A copy of ``t`` the compiled graph saves; its gradient passes through."""
+    # See Note [Tags inside compiled code].
     return t.clone()
 
 
@@ -110,7 +111,8 @@ _TAGGED = torch.ops.ac2_dist.tagged.default
 @torch._dynamo.assume_constant_result
 def announce_eager_only(what: str) -> bool:
     """Warn, while dynamo traces, that ``what`` does not apply inside compiled code
-    (Note [What only eager ac2 does]); the default filter shows each once."""
+    (it belongs to ac2's eager replays); the default filter shows each once."""
+    # See Note [What only eager ac2 does].
     warnings.warn(f"ac2_dist: {what} applies to eager ac2 regions only; inside torch.compile the "
                   "compiled backward recomputes, so it is ignored there", UserWarning, stacklevel=1)
     return True
@@ -125,7 +127,8 @@ _EAGER_ONLY_TAG = (
 @torch.compiler.disable(reason=_EAGER_ONLY_TAG)
 def refuse_compiled_tag(policy: Any) -> None:
     """A graph break whose reason (the fullgraph=True error) and error (otherwise, when
-    the call runs) say what is refused (Note [What only eager ac2 does])."""
+    the call runs) say what is refused."""
+    # See Note [What only eager ac2 does].
     raise RuntimeError(f"{_EAGER_ONLY_TAG} (got {policy!r})")
 
 
@@ -172,7 +175,10 @@ COMPILER_STATE: Any = torch.compiler if hasattr(torch.compiler, "_is_compiling_f
 
 
 class CompiledPolicy:
-    """ac2's policy as a torch selective-checkpoint policy (Note [One policy, two executors])."""
+    """ac2's policy as a torch selective-checkpoint policy: the same decisions as in
+    eager regions, and collectives, side-effect ops and random ops always saved."""
+
+    # See Note [One policy, two executors].
 
     def __init__(self, frames: list[_Frame]) -> None:
         self.frames = list(frames)
@@ -236,12 +242,12 @@ def _real(args: tuple) -> bool:
 def in_eager_fallback() -> bool:
     """Whether this (eager) code runs in a checkpointed block dynamo could not trace.
 
-    Note [Dynamo fallback of a compiled region]: when dynamo breaks the graph inside a
-    checkpointed block, it runs the ``torch.utils.checkpoint`` call it was building
+    When dynamo breaks the graph inside a checkpointed block, it runs the ``torch.utils.checkpoint`` call it was building
     eagerly: torch's own selective checkpoint, with ac2's policy
     (:class:`CompiledPolicy`: collectives and random ops saved). ac2's eager region
     does not run there, so what only it does is refused loudly.
     """
+    # Note [Dynamo fallback of a compiled region]: the docstring above.
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
     from torch.utils.checkpoint import _CachingTorchDispatchMode
 
@@ -260,9 +266,9 @@ def source_context_fn(source: PolicySource) -> Any:
     Dynamo hands ``context_fn`` to the checkpoint higher-order op only if it is a
     Python constant: a :class:`CompiledPolicy` built outside the traced frame (a fixed
     policy: built once, here) or a partial of this module's function (a
-    ``policy_factory``, called when AOTAutograd builds the graph: Note [Policy
-    factories] in _policy.py).
+    ``policy_factory``, called when AOTAutograd builds the graph).
     """
+    # See Note [Policy factories] in _policy.py.
     if source.frame is not None:
         return CompiledPolicy([source.frame]).context_fn
     return functools.partial(_factory_contexts, source)

@@ -5,47 +5,47 @@ are a unit's unsharded parameters, and whether a unit is currently unsharded; an
 action: unshard a unit. They go through FSDP2's public ``FSDPModule`` API where it
 exists (``unshard``) and through the private state below otherwise, so a torch upgrade
 that moves FSDP2 internals touches this file only.
-
-Note [FSDP units are region boundaries]
-    Inside a bare region that encloses FSDP unit calls (one ``apply_ac_policy``
-    around a whole FSDP model), the outputs of every unit are saved. Recompute
-    therefore never runs past a unit boundary: the ops a handle of unit U replays
-    read U's parameters only, and U is unsharded while its backward runs (FSDP's
-    pre-backward), so no unit is gathered early or twice. A policy that says
-    MUST_RECOMPUTE for the op producing a unit output overrides this (the replay may
-    then need another unit's parameters: see Note [Replays unshard what they read]).
-    Inside a checkpointed *module* (``apply_ac``/``wrap``; e.g. a block whose
-    attention and MLP are their own units) unit outputs are not saved: the module
-    keeps only its inputs, as torch's checkpoint does, and a replay that reads a
-    nested unit's parameters unshards it first (it is gathered once, a little earlier
-    than FSDP's own pre-backward would have). That is also what a checkpointed module
-    around a whole FSDP model does: its first replay unshards every unit.
-
-Note [FSDP's own ops are not structure]
-    FSDP2 runs ops of its own inside a nested unit's forward hooks: the all-gather and
-    its copy-in / copy-out, and on a unit's first unshard only, the allocation of the
-    all-gather outputs and the ``as_strided`` views that become the unsharded
-    parameters (``FSDPParam.init_all_gather_outputs`` / ``init_unsharded_param``).
-    They are collectives, ``fsdp::`` copies, allocations and views of FSDP's buffers,
-    never a value the module computes, and which of them run depends on FSDP's state.
-    A memory budget matches its plans on the structure of a module's own computation
-    (budget.py), so it leaves them out: FSDP wraps each phase in a
-    ``torch.profiler.record_function`` scope named ``FSDP::...`` (a dispatched op pair,
-    ``profiler::_record_function_enter_new`` / ``_record_function_exit``, profiler or
-    not), and every op inside such a scope is FSDP's own, except in the scopes where
-    FSDP transforms the module's inputs or outputs (:data:`_FSDP_DATA_SCOPES`: device
-    moves and mixed-precision casts), whose ops are the module's data. (The pre-forward
-    scope also holds the views of the unit's inputs that hook its post-backward: views,
-    which no plan saves either way.)
-
-Note [Replays unshard what they read]
-    Leaves that are a unit's unsharded parameters remember their unit. When a replay
-    takes such a leaf while the unit is resharded, it first calls the unit's
-    ``unshard()`` (a blocking all-gather into the same parameter storage); FSDP's own
-    pre-backward then finds the unit unsharded and does not gather again, and its
-    post-backward reshards as usual. FSDP preserves the parameters' version counters
-    across its all-gathers, so the version check of saved values still holds.
 """
+
+# Note [FSDP units are region boundaries]
+#     Inside a bare region that encloses FSDP unit calls (one ``apply_ac_policy``
+#     around a whole FSDP model), the outputs of every unit are saved. Recompute
+#     therefore never runs past a unit boundary: the ops a handle of unit U replays
+#     read U's parameters only, and U is unsharded while its backward runs (FSDP's
+#     pre-backward), so no unit is gathered early or twice. A policy that says
+#     MUST_RECOMPUTE for the op producing a unit output overrides this (the replay may
+#     then need another unit's parameters: see Note [Replays unshard what they read]).
+#     Inside a checkpointed *module* (``apply_ac``/``wrap``; e.g. a block whose
+#     attention and MLP are their own units) unit outputs are not saved: the module
+#     keeps only its inputs, as torch's checkpoint does, and a replay that reads a
+#     nested unit's parameters unshards it first (it is gathered once, a little earlier
+#     than FSDP's own pre-backward would have). That is also what a checkpointed module
+#     around a whole FSDP model does: its first replay unshards every unit.
+#
+# Note [FSDP's own ops are not structure]
+#     FSDP2 runs ops of its own inside a nested unit's forward hooks: the all-gather and
+#     its copy-in / copy-out, and on a unit's first unshard only, the allocation of the
+#     all-gather outputs and the ``as_strided`` views that become the unsharded
+#     parameters (``FSDPParam.init_all_gather_outputs`` / ``init_unsharded_param``).
+#     They are collectives, ``fsdp::`` copies, allocations and views of FSDP's buffers,
+#     never a value the module computes, and which of them run depends on FSDP's state.
+#     A memory budget matches its plans on the structure of a module's own computation
+#     (budget.py), so it leaves them out: FSDP wraps each phase in a
+#     ``torch.profiler.record_function`` scope named ``FSDP::...`` (a dispatched op pair,
+#     ``profiler::_record_function_enter_new`` / ``_record_function_exit``, profiler or
+#     not), and every op inside such a scope is FSDP's own, except in the scopes where
+#     FSDP transforms the module's inputs or outputs (:data:`_FSDP_DATA_SCOPES`: device
+#     moves and mixed-precision casts), whose ops are the module's data. (The pre-forward
+#     scope also holds the views of the unit's inputs that hook its post-backward: views,
+#     which no plan saves either way.)
+#
+# Note [Replays unshard what they read]
+#     Leaves that are a unit's unsharded parameters remember their unit. When a replay
+#     takes such a leaf while the unit is resharded, it first calls the unit's
+#     ``unshard()`` (a blocking all-gather into the same parameter storage); FSDP's own
+#     pre-backward then finds the unit unsharded and does not gather again, and its
+#     post-backward reshards as usual. FSDP preserves the parameters' version counters
+#     across its all-gathers, so the version check of saved values still holds.
 
 from __future__ import annotations
 
@@ -90,10 +90,11 @@ def is_unsharded(module: nn.Module) -> bool:
 
 
 def ensure_unsharded(unit_ref: weakref.ref) -> bool:
-    """Unshard the unit if it is resharded (Note [Replays unshard what they read]).
+    """Unshard the unit if it is resharded (before a replay reads its parameters).
 
     Returns True if this call issued (or waited for) the unshard.
     """
+    # See Note [Replays unshard what they read].
     module = unit_ref()
     if module is None or is_unsharded(module):
         return False
@@ -103,7 +104,8 @@ def ensure_unsharded(unit_ref: weakref.ref) -> bool:
 
 def own_ops_scope(name: Any) -> bool | None:
     """For a ``record_function`` scope name: ``None`` if it is not an FSDP scope, else
-    whether the ops inside it are FSDP's own (Note [FSDP's own ops are not structure])."""
+    whether the ops inside it are FSDP's own rather than the module's computation."""
+    # See Note [FSDP's own ops are not structure].
     if type(name) is not str or not name.startswith("FSDP::"):
         return None
     return not name.startswith(_FSDP_DATA_SCOPES)

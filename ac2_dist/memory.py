@@ -761,8 +761,14 @@ def _gather_json(obj: Any, dst: int = 0) -> list[Any] | None:
     return [json.loads(bytes(t[:n].cpu().tolist())) for t, n in zip(out, lengths)]
 
 
-def save_run(reports: list[RankReport], path: str) -> None:
-    """Write ``{"schema_version": ..., "ranks": [...]}`` to ``path``."""
+def save_run(reports: list[RankReport] | None, path: str) -> None:
+    """Write ``{"schema_version": ..., "ranks": [...]}`` to ``path``.
+
+    ``reports`` is what :func:`gather` returned: on the ranks where that is ``None``
+    (every rank but rank 0) nothing is written, so every rank can make the same call.
+    """
+    if reports is None:
+        return
     with open(path, "w") as f:
         json.dump({"schema_version": SCHEMA_VERSION, "ranks": [r.to_dict() for r in reports]}, f, indent=1)
 

@@ -20,63 +20,63 @@ One copy engine runs the schedule (as one executor runs replays, replay.py):
 calling thread into ordinary host buffers. ``Offload(stream="inline")`` also takes CPU
 tensors: the CPU test suite runs the very schedule a GPU runs, copies included, and
 checks its order, lifetimes and values.
-
-Note [The offload schedule]
-    A block is one outermost region using this :class:`Offload` (one call of a
-    checkpointed module). Blocks are numbered in the order they open, per Offload.
-    For block i:
-
-    1. forward of i: each offloaded value is recorded (:class:`OffloadedTensor`)
-       holding its device tensor; nothing is copied yet;
-    2. block i+1 opens: block i's device->host copies are issued on the copy stream
-       (it first waits for the compute stream, which produced the values), each into
-       a pinned buffer from the pool; an event marks their end;
-    3. block i+``defer`` closes: the compute stream waits for that event and block i's
-       device tensors are dropped (freed, ordered after their copies): at most
-       ``defer`` + 1 blocks' offloaded values are on the device during forward;
-    4. backward: when block j's backward starts, the replay prefetch of blocks
-       j-1 .. j-k (Note [Prefetching the next unit's replay], replay.py) reads their
-       saved values, which issues their host->device copies ahead of their backward
-       (on the replay side stream on CUDA); without prefetch a copy is issued when the
-       value is unpacked;
-    5. an offloaded value dies at its last use (Note [Saved values die at their last
-       use], _graph.py) or with its graph; its pinned buffer then returns to the pool,
-       tagged with the event of its last host->device copy.
-
-    The last block opened before backward is never copied: no block opens after it,
-    so backward reads its device tensors in place. A block whose copies were issued
-    but not waited for when backward first reads it (the last ``defer`` - 1 before
-    it) is *kept* too: its device tensors serve backward and its buffers return to
-    the pool at once. So the last block is never offloaded, without knowing the
-    number of blocks. A kept block's device tensors were allocated on the compute
-    stream and die with their records (the value's last use, its graph) with no wait
-    for the streams that read them: the copy stream's reads are ``record_stream``-ed
-    when the block is kept (or when a record dies before its copies were waited for),
-    a side-stream replay's when it reads the value (Note [Tensors that cross
-    streams] in replay.py).
-
-Note [Pinned buffer pool]
-    Pinning host memory costs milliseconds per allocation (``cudaHostAlloc``), which
-    is what makes per-tensor pinned offload slow. The pool keeps released buffers by
-    exact byte size and hands them out again; a buffer comes back with the event of
-    the last copy that read it, and the copy stream waits for that event before
-    writing into it again. After the first step a steady training loop allocates no
-    pinned memory (``Offload.stats.buffers_allocated`` stops growing). The pool is
-    the Offload's: ``Offload.empty_pool()`` drops the buffers it holds.
-
-Note [Offloaded values that are written]
-    A value is copied to the host one block after it was saved. If, before that, the
-    region writes it in place while a replay still needs the value from before the
-    write, the tracer snapshots it (Note [Versions of written tensors], _tracer.py):
-    for an offloaded value that means copying it now and making the compute stream
-    wait for that copy before the write; its device tensor is dropped and backward
-    reads the host copy. A value written after it was saved in any other way (outside
-    the region, or read by autograd directly) is detected by its version counter as
-    long as its device tensor is held: reading it is then an error, unless the region
-    has ``allow_cache_entry_mutation=True``. Once a block's copies were waited for,
-    the host copy is the value as saved and later writes to the device tensor do not
-    reach it.
 """
+
+# Note [The offload schedule]
+#     A block is one outermost region using this :class:`Offload` (one call of a
+#     checkpointed module). Blocks are numbered in the order they open, per Offload.
+#     For block i:
+#
+#     1. forward of i: each offloaded value is recorded (:class:`OffloadedTensor`)
+#        holding its device tensor; nothing is copied yet;
+#     2. block i+1 opens: block i's device->host copies are issued on the copy stream
+#        (it first waits for the compute stream, which produced the values), each into
+#        a pinned buffer from the pool; an event marks their end;
+#     3. block i+``defer`` closes: the compute stream waits for that event and block i's
+#        device tensors are dropped (freed, ordered after their copies): at most
+#        ``defer`` + 1 blocks' offloaded values are on the device during forward;
+#     4. backward: when block j's backward starts, the replay prefetch of blocks
+#        j-1 .. j-k (Note [Prefetching the next unit's replay], replay.py) reads their
+#        saved values, which issues their host->device copies ahead of their backward
+#        (on the replay side stream on CUDA); without prefetch a copy is issued when the
+#        value is unpacked;
+#     5. an offloaded value dies at its last use (Note [Saved values die at their last
+#        use], _graph.py) or with its graph; its pinned buffer then returns to the pool,
+#        tagged with the event of its last host->device copy.
+#
+#     The last block opened before backward is never copied: no block opens after it,
+#     so backward reads its device tensors in place. A block whose copies were issued
+#     but not waited for when backward first reads it (the last ``defer`` - 1 before
+#     it) is *kept* too: its device tensors serve backward and its buffers return to
+#     the pool at once. So the last block is never offloaded, without knowing the
+#     number of blocks. A kept block's device tensors were allocated on the compute
+#     stream and die with their records (the value's last use, its graph) with no wait
+#     for the streams that read them: the copy stream's reads are ``record_stream``-ed
+#     when the block is kept (or when a record dies before its copies were waited for),
+#     a side-stream replay's when it reads the value (Note [Tensors that cross
+#     streams] in replay.py).
+#
+# Note [Pinned buffer pool]
+#     Pinning host memory costs milliseconds per allocation (``cudaHostAlloc``), which
+#     is what makes per-tensor pinned offload slow. The pool keeps released buffers by
+#     exact byte size and hands them out again; a buffer comes back with the event of
+#     the last copy that read it, and the copy stream waits for that event before
+#     writing into it again. After the first step a steady training loop allocates no
+#     pinned memory (``Offload.stats.buffers_allocated`` stops growing). The pool is
+#     the Offload's: ``Offload.empty_pool()`` drops the buffers it holds.
+#
+# Note [Offloaded values that are written]
+#     A value is copied to the host one block after it was saved. If, before that, the
+#     region writes it in place while a replay still needs the value from before the
+#     write, the tracer snapshots it (Note [Versions of written tensors], _tracer.py):
+#     for an offloaded value that means copying it now and making the compute stream
+#     wait for that copy before the write; its device tensor is dropped and backward
+#     reads the host copy. A value written after it was saved in any other way (outside
+#     the region, or read by autograd directly) is detected by its version counter as
+#     long as its device tensor is held: reading it is then an error, unless the region
+#     has ``allow_cache_entry_mutation=True``. Once a block's copies were waited for,
+#     the host copy is the value as saved and later writes to the device tensor do not
+#     reach it.
 
 from __future__ import annotations
 
@@ -173,7 +173,8 @@ class InlineCopies:
     schedule under test on CPU). No events: every copy is done when it returns."""
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        """A new host buffer of ``nbytes`` for the pool (Note [Pinned buffer pool])."""
+        """A new host buffer of ``nbytes`` for the pool."""
+        # See Note [Pinned buffer pool].
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def issue(self, records: list[OffloadedTensor]) -> Any:
@@ -200,8 +201,7 @@ class CudaCopies(InlineCopies):
     """Device->host copies on a CUDA side stream (``stream=None``: the current stream,
     i.e. ``Offload(stream="inline")`` for CUDA tensors), into pinned buffers;
     host->device copies on the stream that reads the value (the replay side stream
-    when prefetched). ``streams``: torch.cuda, or the test suite's simulation (Note
-    [Stream backends] in _streams.py)."""
+    when prefetched). ``streams``: torch.cuda, or the test suite's simulated CUDA."""
 
     def __init__(self, streams: StreamBackend, stream: Any = None) -> None:
         self._streams = streams
@@ -244,7 +244,9 @@ class CudaCopies(InlineCopies):
 
 class OffloadedTensor:
     """One offloaded value: its device tensor until its block is committed, then its
-    host copy (Note [The offload schedule]). What ``Saved`` holds instead of a tensor."""
+    host copy. What ``Saved`` holds instead of a tensor."""
+
+    # See Note [The offload schedule].
 
     __slots__ = (
         "unit", "device", "counter", "version", "allow_mutation", "owner", "host", "buf", "reuse_after",
@@ -286,8 +288,9 @@ class OffloadedTensor:
 
     def before_write(self) -> None:
         """The device tensor is about to be written in place while replays still need its
-        value (Note [Offloaded values that are written]): copy it now, make the compute
-        stream wait for the copy, and read the host copy from now on."""
+        value: copy it now, make the compute stream wait for the copy, and read the host
+        copy from now on."""
+        # See Note [Offloaded values that are written].
         if self.device is None:
             return
         unit = self.unit
@@ -336,7 +339,8 @@ class OffloadedTensor:
         return self.device if self.device is not None else self.host
 
     def release_host(self, event: Any) -> None:
-        """Give the host buffer back to the pool (Note [Pinned buffer pool])."""
+        """Give the host buffer back to the pool."""
+        # See Note [Pinned buffer pool].
         buf = self.buf
         if buf is None:
             return
@@ -359,7 +363,9 @@ class OffloadedTensor:
 
 class OffloadUnit:
     """The offloaded values of one block (one outermost region) and where they are in
-    the schedule (Note [The offload schedule])."""
+    the schedule."""
+
+    # See Note [The offload schedule].
 
     __slots__ = ("owner", "fqn", "streams", "engine", "on_device", "records", "state", "copied_event",
                  "__weakref__")
@@ -441,7 +447,8 @@ class OffloadUnit:
                 r.release_host(self.copied_event)
 
     def close(self) -> None:
-        """The block's region exited (forward done): see Note [The offload schedule]."""
+        """The block's region exited (forward done)."""
+        # See Note [The offload schedule].
         self.owner._close(self)
 
 
@@ -472,7 +479,7 @@ class Offload:
             tests and debugging; ``None`` costs nothing.
 
     The host->device copies are issued by the replay prefetch (``ReplayConfig.prefetch``,
-    the same depth), or at unpack without one. See Note [The offload schedule].
+    the same depth), or at unpack without one.
     """
 
     def __init__(self, defer: int = 1, *, stream: Any = "auto", log: Log | None = None) -> None:
@@ -532,8 +539,8 @@ class Offload:
 
     def open_unit(self, fqn: str, streams: StreamBackend | None = None) -> OffloadUnit:
         """A block opens (its region is installed, on ``streams``: the region's stream
-        backend, None on CPU): the blocks closed before it issue their copies (step 2
-        of Note [The offload schedule])."""
+        backend, None on CPU): the blocks closed before it issue their copies."""
+        # Step 2 of Note [The offload schedule].
         with self._lock:
             self._emit("open", fqn)
             for ref in self._closed:

@@ -5,79 +5,79 @@ One executor abstraction runs a graph's replays: :class:`InlineExecutor` on the 
 :class:`SideStreamExecutor` on a CUDA side stream, handing results to the consuming
 stream. :class:`ReplayConfig` chooses the executor and how many checkpointed units
 ahead backward replays are prefetched.
-
-Note [Prefetching the next unit's replay]
-    Backward runs checkpointed modules (units) in reverse forward order. When the
-    backward of unit i starts (a gradient hook on its outputs), the replays that
-    units i-1 .. i-prefetch will need are run ahead: every live handle of their
-    graphs is realized and the value parked on the handle (its pending use is
-    taken then, so the use counts still free every intermediate at its last use).
-    Unpacking a prefetched handle returns the parked value. Parameters a prefetch
-    reads are an FSDP unit's: the first read waits for (or triggers) that unit's
-    unshard (Note [Replays unshard what they read] in fsdp.py), so a replay never
-    reads resharded storage and the unit is still gathered once. At most the current
-    unit's and the prefetched units' recomputed values are alive.
-
-Note [Replay environment]
-    A replay re-runs the *post-dispatch* op the tracer recorded, with the recorded
-    non-tensor arguments, so it must not be transformed a second time:
-    - autocast is disabled (the recorded op already has the dtypes autocast chose;
-      backward may run inside a user's ``torch.autocast`` block);
-    - grad mode is off, unless backward runs with ``create_graph=True`` (then the
-      replay is recorded by autograd so higher-order gradients flow to the region
-      inputs);
-    - this thread's tracer, if a region is active here (backward called inside a
-      region), passes replayed ops through without recording them;
-    - an RNG op recorded with ``rng="replay"`` runs with its generator set to the
-      state it had before the forward call (Note [One generator state per region]
-      in _graph.py), then the generator is restored.
-    - with ``create_graph=True`` the saved-tensor hooks of a region active on this
-      thread (backward called inside a region, e.g. a gradient penalty) are lifted
-      for the replay (Note [Replays save natively]).
-    Other dispatch modes the user has active (e.g. ``FlopCounterMode``) still see
-    the replayed ops.
-
-Note [Tensors that cross streams]
-    The caching allocator returns a freed block to the pool of the stream that
-    allocated it, at once, and the next allocation on that stream may take it while a
-    kernel another stream queued earlier still reads it. So a tensor one stream
-    allocated and another reads must be ``record_stream``-ed on the reader (the
-    allocator then reuses the block only once the reader has passed the point of the
-    free), or freed only after its stream waited for the reader. With replays on a
-    side stream (:class:`SideStreamExecutor`):
-
-    - Saved values -- region inputs, parameters, policy saves, side-effect outputs, the
-      device tensors of an offload block backward reads in place (Note [The offload
-      schedule] in offload.py), what a ``SAVE_WITH_HOOKS`` unpack returns -- were
-      allocated on the compute stream. A replay on the side stream reads them, and
-      they can die before the compute stream waits for it: at their last use inside
-      that very replay (Note [Saved values die at their last use] in _graph.py), in
-      a prefetch that runs while the compute stream goes on with the current unit's
-      backward; or with their graph or their offload block. Each saved value a
-      side-stream replay reads is ``record_stream``-ed on the side stream
-      (``Graph._saved_value`` calls ``executor.guard_read``); on a value the side
-      stream allocated itself that is a no-op.
-    - Replays allocate on the side stream. A value handed to the consumer is waited
-      for (the replay's ready event) and ``record_stream``-ed on the consumer
-      (``hand_over``); everything else a replay makes is read and dropped on the side
-      stream only. A host->device copy of an offloaded value is made on the stream
-      that reads it (the side stream, in a prefetch).
-    - The offload copy stream reads device tensors the compute stream allocated; its
-      copies are waited for before those are freed, or the tensors are
-      ``record_stream``-ed on it (offload.py).
-
-    The CPU test suite runs these paths under a simulated CUDA that fails a test on
-    any unsynchronised cross-stream free (``tests/_simcuda.py``).
-
-Note [Replays save natively]
-    A replay under ``create_graph=True`` is recorded by autograd, which saves
-    tensors for it. Were the saving region's hooks on top of the stack, a replayed
-    output would be packed into a region leaf holding it by identity: tensor ->
-    grad_fn -> saved handle -> graph -> leaf -> tensor, a cycle through C++ autograd
-    nodes that gc cannot collect (the whole region leaked every step). With our
-    hooks lifted autograd saves natively (an output without its grad_fn: no cycle).
-    A user's own hooks on top of ours are left alone.
 """
+
+# Note [Prefetching the next unit's replay]
+#     Backward runs checkpointed modules (units) in reverse forward order. When the
+#     backward of unit i starts (a gradient hook on its outputs), the replays that
+#     units i-1 .. i-prefetch will need are run ahead: every live handle of their
+#     graphs is realized and the value parked on the handle (its pending use is
+#     taken then, so the use counts still free every intermediate at its last use).
+#     Unpacking a prefetched handle returns the parked value. Parameters a prefetch
+#     reads are an FSDP unit's: the first read waits for (or triggers) that unit's
+#     unshard (Note [Replays unshard what they read] in fsdp.py), so a replay never
+#     reads resharded storage and the unit is still gathered once. At most the current
+#     unit's and the prefetched units' recomputed values are alive.
+#
+# Note [Replay environment]
+#     A replay re-runs the *post-dispatch* op the tracer recorded, with the recorded
+#     non-tensor arguments, so it must not be transformed a second time:
+#     - autocast is disabled (the recorded op already has the dtypes autocast chose;
+#       backward may run inside a user's ``torch.autocast`` block);
+#     - grad mode is off, unless backward runs with ``create_graph=True`` (then the
+#       replay is recorded by autograd so higher-order gradients flow to the region
+#       inputs);
+#     - this thread's tracer, if a region is active here (backward called inside a
+#       region), passes replayed ops through without recording them;
+#     - an RNG op recorded with ``rng="replay"`` runs with its generator set to the
+#       state it had before the forward call (Note [One generator state per region]
+#       in _graph.py), then the generator is restored.
+#     - with ``create_graph=True`` the saved-tensor hooks of a region active on this
+#       thread (backward called inside a region, e.g. a gradient penalty) are lifted
+#       for the replay (Note [Replays save natively]).
+#     Other dispatch modes the user has active (e.g. ``FlopCounterMode``) still see
+#     the replayed ops.
+#
+# Note [Tensors that cross streams]
+#     The caching allocator returns a freed block to the pool of the stream that
+#     allocated it, at once, and the next allocation on that stream may take it while a
+#     kernel another stream queued earlier still reads it. So a tensor one stream
+#     allocated and another reads must be ``record_stream``-ed on the reader (the
+#     allocator then reuses the block only once the reader has passed the point of the
+#     free), or freed only after its stream waited for the reader. With replays on a
+#     side stream (:class:`SideStreamExecutor`):
+#
+#     - Saved values -- region inputs, parameters, policy saves, side-effect outputs, the
+#       device tensors of an offload block backward reads in place (Note [The offload
+#       schedule] in offload.py), what a ``SAVE_WITH_HOOKS`` unpack returns -- were
+#       allocated on the compute stream. A replay on the side stream reads them, and
+#       they can die before the compute stream waits for it: at their last use inside
+#       that very replay (Note [Saved values die at their last use] in _graph.py), in
+#       a prefetch that runs while the compute stream goes on with the current unit's
+#       backward; or with their graph or their offload block. Each saved value a
+#       side-stream replay reads is ``record_stream``-ed on the side stream
+#       (``Graph._saved_value`` calls ``executor.guard_read``); on a value the side
+#       stream allocated itself that is a no-op.
+#     - Replays allocate on the side stream. A value handed to the consumer is waited
+#       for (the replay's ready event) and ``record_stream``-ed on the consumer
+#       (``hand_over``); everything else a replay makes is read and dropped on the side
+#       stream only. A host->device copy of an offloaded value is made on the stream
+#       that reads it (the side stream, in a prefetch).
+#     - The offload copy stream reads device tensors the compute stream allocated; its
+#       copies are waited for before those are freed, or the tensors are
+#       ``record_stream``-ed on it (offload.py).
+#
+#     The CPU test suite runs these paths under a simulated CUDA that fails a test on
+#     any unsynchronised cross-stream free (``tests/_simcuda.py``).
+#
+# Note [Replays save natively]
+#     A replay under ``create_graph=True`` is recorded by autograd, which saves
+#     tensors for it. Were the saving region's hooks on top of the stack, a replayed
+#     output would be packed into a region leaf holding it by identity: tensor ->
+#     grad_fn -> saved handle -> graph -> leaf -> tensor, a cycle through C++ autograd
+#     nodes that gc cannot collect (the whole region leaked every step). With our
+#     hooks lifted autograd saves natively (an output without its grad_fn: no cycle).
+#     A user's own hooks on top of ours are left alone.
 
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ class ReplayConfig:
             FSDP unit), ``unsharded`` (it found the unit gathered) and
             ``backward_end``: for tests and debugging; ``None`` costs nothing.
         offload: an :class:`ac2_dist.Offload`, the asynchronous schedule CPU-offloaded
-            saves follow (Note [The offload schedule] in offload.py); its host->device
+            saves follow; its host->device
             copies are issued by the prefetch above. ``None``: ``apply_ac`` gives the
             modules it wraps one ``Offload()`` of their own; other regions copy
             synchronously.
@@ -202,7 +202,7 @@ class ReplayConfig:
 
     def executor(self, thread_state: Any, streams: StreamBackend | None) -> InlineExecutor:
         """The executor of one region's graph; ``streams``: the region's stream backend,
-        None on CPU (Note [Stream backends] in _streams.py)."""
+        None on CPU."""
         if self.stream in ("inline", None) or streams is None:
             return InlineExecutor(thread_state)
         stream = self.stream if _is_stream(self.stream) else None
@@ -297,11 +297,11 @@ class InlineExecutor:
 class SideStreamExecutor(InlineExecutor):
     """Runs replays on a CUDA side stream: the one given, or the side stream of the
     device and the thread that runs backward, made once and shared by every graph and
-    every step (Note [One side stream per device] in _streams.py).
+    every step.
 
     The side stream first waits for the consuming stream (replay inputs may have been
     produced there); the consumer then waits on an event recorded after the replay.
-    Memory read across the two streams is guarded (Note [Tensors that cross streams]):
+    Memory read across the two streams is guarded:
     every saved value a replay reads is ``record_stream``-ed on the side stream and
     every tensor handed over on the consumer, so the caching allocator reuses neither
     before the stream reading it is done with it.

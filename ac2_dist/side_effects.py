@@ -3,18 +3,18 @@
 The tracer runs once per ATen op, so everything that depends only on the operator
 (its schema, its tags, its namespace) is derived here once and cached in an
 :class:`OpInfo`. The classification answers one question for the tracer: *may this
-op be re-executed during backward?* (CONTRACT §3). Ops that may not are "side
+op be re-executed during backward?* Ops that may not are "side
 effects": their outputs are saved whatever the policy says.
-
-Note [Op-info cache is a memo, not state]
-    ``_INFO`` maps an ``OpOverload`` to immutable facts about its schema. It is the
-    only module-level dictionary in the package and it never holds tensors, regions
-    or per-thread data; clearing it at any time is always safe (it is rebuilt on the
-    next lookup). It is keyed by ``id(op)``: ``OpOverload.__hash__`` is a Python
-    method, one call per recorded op on the tracer's path, ``id`` is not. Every entry
-    holds its op (``OpInfo.op``), so an op in the cache is never freed and its id
-    never reused by another object while the entry lives.
 """
+
+# Note [Op-info cache is a memo, not state]
+#     ``_INFO`` maps an ``OpOverload`` to immutable facts about its schema. It is the
+#     only module-level dictionary in the package and it never holds tensors, regions
+#     or per-thread data; clearing it at any time is always safe (it is rebuilt on the
+#     next lookup). It is keyed by ``id(op)``: ``OpOverload.__hash__`` is a Python
+#     method, one call per recorded op on the tracer's path, ``id`` is not. Every entry
+#     holds its op (``OpInfo.op``), so an op in the cache is never freed and its id
+#     never reused by another object while the entry lives.
 
 from __future__ import annotations
 
@@ -147,7 +147,8 @@ class OpInfo:
 
     def accumulates(self, args: tuple) -> bool:
         """True if this call's only writes fold statistics into its accumulator
-        arguments (Note [Statistics an op accumulates])."""
+        arguments (batch norm's running statistics)."""
+        # See Note [Statistics an op accumulates].
         if not self.accumulators:
             return False
         flag = self.accumulate_flag
@@ -421,8 +422,9 @@ def _direct_call(op: torch._ops.OpOverload) -> tuple[Any, bool]:
 
 
 def hop_writes(op: torch._ops.HigherOrderOperator, args: tuple, kwargs: dict) -> bool:
-    """True if ``op``'s generated schema for this call writes an argument (Note
-    [Higher-order operators]); HOPs without ``gen_schema`` are functional."""
+    """True if ``op``'s generated schema for this call writes an argument; HOPs without
+    ``gen_schema`` are functional."""
+    # See Note [Higher-order operators].
     try:
         schema = op.gen_schema(*args, **kwargs)
     except NotImplementedError:

@@ -37,7 +37,6 @@ from train import (  # noqa: E402
     compile_blocks,
     corpus,
     init_distributed,
-    shutdown_distributed,
 )
 
 import ac2_dist as ac  # noqa: E402
@@ -173,13 +172,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.peaks == 1:
         p.error("--peaks needs at least 2 targets (the floor and no AC's peak)")
     device = init_distributed()
-    clean, mesh = False, None
+    clean = False
     try:
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        bench(args, device, mesh)
+        bench(args, device, init_device_mesh(device.type, (dist.get_world_size(),)))
         clean = True
     finally:
-        shutdown_distributed(clean, mesh)  # Note [Shutdown order] in train.py
+        ac.distributed.shutdown(after_error=not clean)
 
 
 def _peak_modes(args, mesh, device, x, y) -> list[str]:

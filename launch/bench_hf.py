@@ -11,7 +11,7 @@ ac2's recording (ac2 records the same ops; its backward replays them without a m
 mode: peak memory of forward+backward and bytes kept after
 forward (allocator events via torch.profiler), the median step time over interleaved
 rounds, and the per-round step-time ratio against HF's own checkpointing: median
-(min-max). Needs transformers (``pip install 'ac2-dist[hf]'``). Random weights from a
+(min-max). Needs transformers (the ``hf`` extra: ``pip install -e '.[hf]'``). Random weights from a
 config: nothing is downloaded.
 """
 

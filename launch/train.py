@@ -11,7 +11,10 @@ requires one GPU per rank and stops with an error otherwise.
 Byte-level language modelling on text already on disk (this project's sources and
 the Python standard library's), every block checkpointed (``--ac``), parameters
 sharded with ``fully_shard`` over all ranks. Prints one line per step (loss,
-tokens/s, step time), then the per-rank memory report of the last step.
+tokens/s, step time), then the per-rank memory report of the last step, then a baseline:
+the same model and batches for a few steps each with no activation checkpointing,
+torch's checkpoint and this run's ``--ac`` (peak, kept after forward, step time;
+``--no-baseline`` skips it). The job ends with ``ac2_dist.distributed.shutdown()``.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import gc
 import os
+import statistics
 import sys
 import time
 
@@ -126,10 +129,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="FSDP2 reshard_after_forward for the blocks")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (after checkpointing)")
     p.add_argument("--report-json", default=None, help="write the gathered memory report here (rank 0)")
+    p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None,
+                   help="end with a table of no AC, torch's checkpoint and --ac on the same model and batches "
+                        "(default: on, off with --compile, which would compile every mode)")
+    p.add_argument("--baseline-steps", type=int, default=6,
+                   help="steps per mode in the baseline (>= 3: one warm-up, the timed ones, the last measured)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: one GPU per rank if this node has enough, else the CPU; cuda: require them")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.baseline_steps < 3:
+        p.error("--baseline-steps must be at least 3 (a warm-up step, a timed one, a measured one)")
+    if args.baseline is None:
+        args.baseline = not args.compile
+    return args
 
 
 def choose_device(requested: str, gpus: int, local_ranks: int) -> tuple[str, str]:
@@ -168,83 +181,47 @@ def init_distributed(requested: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
-def shutdown_distributed(clean: bool, mesh: DeviceMesh | None = None) -> None:
-    """Tear the process group down, after the code that used it has returned.
-
-    ``clean``: every rank got here without an error; then the ranks first meet in a
-    barrier and the group is released for real (``mesh``: the job's device mesh), so
-    that its threads are joined before the interpreter exits.
-    """
-    # Note [Shutdown order]: a gloo worker thread can still hold a finished collective's
-    # work, and with it the last reference to the tensors it read or wrote, after the
-    # main thread has moved on. If the thread lets go of it just as the interpreter
-    # starts finalizing, releasing those tensors' Python objects needs the GIL, and a
-    # thread that asks for the GIL then is ended by pthread_exit inside a C++
-    # destructor: "terminate called without an active exception" (SIGABRT) at exit,
-    # rarely, under load (torch checks Py_IsInitialized() before taking the GIL, but
-    # finalization can start between the check and the GIL). destroy_process_group()
-    # does not stop those threads while anything still references the group: the
-    # model's FSDP state, and the device mesh, which torch's DTensor sharding caches
-    # keep alive for the life of the process. So: a barrier (no collective in flight on
-    # any rank), destroy the group, detach it from the mesh, and collect the model
-    # (the training function has returned; gc.collect() frees reference cycles): the
-    # group's destructor joins its threads while the interpreter is fully alive.
-    # After an error only destroy_process_group(): a barrier or a join could wait for
-    # a rank that is gone.
-    if clean:
-        dist.barrier()
-    dist.destroy_process_group()
-    if clean:
-        if mesh is not None:
-            getattr(mesh, "_pg_registry", {}).clear()  # torch >= 2.12 keeps the groups here
-        gc.collect()
-
-
 def main(argv: list[str] | None = None) -> float:
     """Run the job under torchrun; returns the last step's mean loss."""
     args = parse_args(argv)
     device = init_distributed(args.device)
-    clean, mesh = False, None
+    clean = False
     try:
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        last = train(args, device, mesh)
+        # Everything that references the process group (model, optimizer, tracker,
+        # device mesh) lives in train()'s frame only: gone when shutdown() runs.
+        last = train(args, device)
         clean = True
     finally:
-        shutdown_distributed(clean, mesh)
+        ac.distributed.shutdown(after_error=not clean)
     return last
 
 
-def train(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> float:
-    """Train, print the steps and rank 0's memory report; the last step's mean loss.
-
-    The model, optimizer and tracker (all reference the process group) live in this
-    function's frame only (Note [Shutdown order]).
-    """
-    use_cuda = device.type == "cuda"
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
+def build(args: argparse.Namespace, mode: str, device: torch.device, mesh: DeviceMesh) -> Llama:
+    """The job's model with ``mode``'s checkpointing, compiled if asked, sharded over ``mesh``."""
+    torch.manual_seed(args.seed)  # identical initial weights on every rank and in every mode
     model = Llama(vocab=256, dim=args.dim, layers=args.layers, heads=args.heads, max_seq=args.seq).to(device)
-    apply_checkpointing(model, f"ac2-budget-{args.budget}" if args.ac == "ac2-budget" else args.ac)
+    apply_checkpointing(model, mode)
     if args.compile:
         compile_blocks(model)
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=args.reshard)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    data = batches(corpus(), args.batch, args.seq, args.seed, rank)
-    if rank == 0:
-        n_params = sum(p.numel() for p in model.parameters())
-        print(f"train.py: {world} ranks ({device.type}), Llama {args.layers}x{args.dim}, "
-              f"{n_params / 1e6:.2f}M params, seq {args.seq}, batch {args.batch}/rank, --ac {args.ac}"
-              f"{' (compiled blocks)' if args.compile else ''}",
-              flush=True)
-    first = last = float("nan")
-    report = None
-    for step in range(1, args.steps + 1):
+    return model
+
+
+def run_steps(model: Llama, data, steps: int, lr: float, device: torch.device, on_step=None):
+    """``steps`` training steps (AdamW); the last one under ``ac2_dist.memory.track``.
+
+    Returns (mean loss per step, seconds per step, this rank's report of the last step).
+    ``on_step(step, loss, seconds)`` is called after each step on every rank."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    world = dist.get_world_size()
+    losses, seconds, report = [], [], None
+    for step in range(1, steps + 1):
         x, y = (t.to(device) for t in next(data))
         t0 = time.perf_counter()
         # A with-block: the tracker's profiler session ends even if the step fails.
-        with (ac.memory.track(model) if step == args.steps else contextlib.nullcontext()) as tracker:
+        with (ac.memory.track(model) if step == steps else contextlib.nullcontext()) as tracker:
             logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
             loss.backward()
@@ -254,25 +231,106 @@ def train(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> f
         opt.zero_grad(set_to_none=True)
         value = loss.detach().clone()
         dist.all_reduce(value)
-        value = value.item() / world
-        if use_cuda:
+        if device.type == "cuda":
             torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        first = value if step == 1 else first
-        last = value
-        if rank == 0:
-            tok_s = args.batch * args.seq * world / dt
-            print(f"step {step:3d}/{args.steps}  loss {value:.4f}  {tok_s:8.0f} tok/s  {dt * 1e3:7.1f} ms",
-                  flush=True)
-    reports = ac.memory.gather(report)
+        seconds.append(time.perf_counter() - t0)
+        losses.append(value.item() / world)
+        if on_step is not None:
+            on_step(step, losses[-1], seconds[-1])
+    return losses, seconds, report
+
+
+def baseline_modes(mode: str) -> list[str]:
+    """The modes the baseline compares: no AC, torch's full checkpoint, the torch mode an
+    ac2 mode has a counterpart in (``ac2-sac`` -> ``torch-sac``), then ``mode`` itself."""
+    modes = ["none", "torch-full"]
+    if mode == "ac2-sac" or mode.startswith("ac2-budget"):
+        modes.append("torch-sac")
+    if mode not in modes:
+        modes.append(mode)
+    return modes
+
+
+BASELINE_LEGEND = (
+    "peak: the most bytes allocated at any moment of the step (forward or backward), above what was\n"
+    "  allocated when it began; kept: bytes still allocated when forward returned (what the step holds\n"
+    "  for backward); step: median wall time of the timed steps. Figures are the larger rank's.\n"
+    "What each row of the per-rank report means: docs/guide/reports.md (glossary)."
+)
+
+
+def baseline(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> str:
+    """The baseline table (rank 0; ``""`` elsewhere): each of :func:`baseline_modes` on a
+    fresh model (the same initial weights) and the same batches, ``--baseline-steps``
+    steps: a warm-up step, timed steps, then one step measured by ``memory.track``."""
+    label = {"none": "no AC", "torch-full": "torch checkpoint", "torch-sac": "torch SAC (save matmuls)",
+             "ac2-full": "ac2 (recompute_all)", "ac2-sac": "ac2 (save matmuls)"}
+    rows = []
+    for mode in baseline_modes(args.ac if args.ac != "ac2-budget" else f"ac2-budget-{args.budget}"):
+        model = build(args, mode, device, mesh)
+        data = batches(corpus(), args.batch, args.seq, args.seed, dist.get_rank())
+        _, seconds, report = run_steps(model, data, args.baseline_steps, args.lr, device)
+        del model
+        figures = torch.tensor([max(report.peak_bytes_forward, report.peak_bytes_backward),
+                                report.live_bytes_after_forward, statistics.median(seconds[1:-1]) * 1e6],
+                               dtype=torch.float64, device=device)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        peak, kept, step_us = figures.tolist()
+        rows.append((label.get(mode, f"ac2 ({mode})"), peak, kept, step_us / 1e3))
+    if dist.get_rank() != 0:
+        return ""
+    torch_peak = rows[1][1]
+    header = ("mode", "peak MiB", "kept MiB", "step ms", "peak / torch checkpoint")
+    cells = [header] + [(name, f"{peak / 2**20:.1f}", f"{kept / 2**20:.1f}", f"{ms:.1f}", f"{peak / torch_peak:.2f}x")
+                        for name, peak, kept, ms in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = [f"baseline (the same model and batches, {args.baseline_steps} steps per mode: 1 warm-up, "
+             f"{args.baseline_steps - 2} timed, the last measured):"]
+    for k, row in enumerate(cells):
+        lines.append("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if k == 0:
+            lines.append("  " + "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + "\n" + BASELINE_LEGEND
+
+
+def train(args: argparse.Namespace, device: torch.device) -> float:
+    """Train, print the steps, rank 0's memory report and the baseline; the last step's
+    mean loss. The model, optimizer, tracker and mesh live in this frame only."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+    mode = f"ac2-budget-{args.budget}" if args.ac == "ac2-budget" else args.ac
+    model = build(args, mode, device, mesh)
+    data = batches(corpus(), args.batch, args.seq, args.seed, rank)
     if rank == 0:
-        print(f"loss {first:.4f} -> {last:.4f}")
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"train.py: {world} ranks ({device.type}), Llama {args.layers}x{args.dim}, "
+              f"{n_params / 1e6:.2f}M params, seq {args.seq}, batch {args.batch}/rank, --ac {args.ac}"
+              f"{' (compiled blocks)' if args.compile else ''}",
+              flush=True)
+
+    def show(step: int, loss: float, seconds: float) -> None:
+        if rank == 0:
+            tok_s = args.batch * args.seq * world / seconds
+            print(f"step {step:3d}/{args.steps}  loss {loss:.4f}  {tok_s:8.0f} tok/s  {seconds * 1e3:7.1f} ms",
+                  flush=True)
+
+    losses, _, report = run_steps(model, data, args.steps, args.lr, device, on_step=show)
+    del model
+    reports = ac.memory.gather(report)  # every rank: the list on rank 0, None elsewhere
+    if reports is not None:
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
         print(f"per-rank memory report (step {args.steps}, --ac {args.ac}):")
         print(ac.memory.format_table(reports))
         if args.report_json:
             ac.memory.save_run(reports, args.report_json)
             print(f"wrote {args.report_json}")
-    return last
+    if args.baseline:
+        table = baseline(args, device, mesh)
+        if table:
+            print("\n" + table, flush=True)
+    elif rank == 0:
+        print("What each row of the report means: docs/guide/reports.md (glossary).")
+    return losses[-1]
 
 
 if __name__ == "__main__":

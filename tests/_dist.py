@@ -1,9 +1,12 @@
-"""Run a function on several gloo ranks in spawned processes, bounded by a timeout."""
+"""Run a function on several gloo ranks in spawned processes, or a script under torchrun,
+bounded by a timeout."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import subprocess
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -77,3 +80,13 @@ def run_ranks(fn: Callable, *args: Any, world: int = 2, timeout: float = 180.0) 
         if errors:
             raise AssertionError("\n".join(errors))
         return [results[r] for r in range(world)]
+
+
+def run_torchrun(script: str, *args: str, nproc: int = 2, cwd: str | None = None,
+                 timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node nproc script *args`` as a user runs it (CPU:
+    gloo), bounded by ``timeout``; its output captured as text. Does not raise on failure."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           script, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)

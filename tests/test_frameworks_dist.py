@@ -154,7 +154,7 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: s
 def _release() -> None:
     """Collect the runs' FSDP modules (reference cycles) while the process group is alive:
     a gloo worker that frees a finished collective's tensors after the interpreter began
-    finalizing aborts the rank at exit (README, Note [Shutdown order] in launch/train.py)."""
+    finalizing aborts the rank at exit (Note [Shutdown order] in ac2_dist/distributed.py)."""
     gc.collect()
     torch.distributed.barrier()
 

@@ -23,10 +23,20 @@ def test_train_py_under_torchrun_writes_report(tmp_path, ac_mode):
     out = os.path.join(tmp_path, "run.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "launch", "train.py"), "--steps", "3", "--layers", "2", "--dim", "64",
-           "--seq", "64", "--batch", "4", "--ac", ac_mode, "--report-json", out]
+           "--seq", "64", "--batch", "4", "--ac", ac_mode, "--report-json", out, "--baseline-steps", "3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step   3/3" in proc.stdout and "per-rank memory report" in proc.stdout
+    # The job ends with its own baseline: no AC, torch's checkpoint (and its SAC for ac2-sac), ac2.
+    table = proc.stdout[proc.stdout.index("baseline (the same model and batches"):]
+    rows = {line.split("  ")[1].strip(): line.split() for line in table.splitlines()[3:]
+            if line.startswith("  ") and line.endswith("x")}  # the rows end with the ratio column
+    expected = ["no AC", "torch checkpoint"] + (["torch SAC (save matmuls)", "ac2 (save matmuls)"]
+                                                if ac_mode == "ac2-sac" else ["ac2 (recompute_all)"])
+    assert list(rows) == expected, table
+    peak = {name: float(cells[-4]) for name, cells in rows.items()}
+    assert peak["no AC"] > peak["torch checkpoint"] and rows["torch checkpoint"][-1] == "1.00x", table
+    assert "docs/guide/reports.md (glossary)" in table
     data = json.load(open(out))
     assert [r["rank"] for r in data["ranks"]] == [0, 1]
     for r in data["ranks"]:
@@ -37,6 +47,22 @@ def test_train_py_under_torchrun_writes_report(tmp_path, ac_mode):
     report = subprocess.run([sys.executable, "-m", "ac2_dist.report", out], capture_output=True, text=True,
                             timeout=60, cwd=ROOT)
     assert report.returncode == 0 and "all-gathers in backward" in report.stdout
+
+
+def test_train_py_baseline_modes():
+    """The baseline compares an ac2 mode with no AC, torch's full checkpoint and, where ac2
+    saves by a list or a budget, torch's selective checkpoint with the same save list."""
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import train
+
+    assert train.baseline_modes("ac2-full") == ["none", "torch-full", "ac2-full"]
+    assert train.baseline_modes("ac2-sac") == ["none", "torch-full", "torch-sac", "ac2-sac"]
+    assert train.baseline_modes("ac2-budget-0.5") == ["none", "torch-full", "torch-sac", "ac2-budget-0.5"]
+    assert train.baseline_modes("torch-full") == ["none", "torch-full"]
+    with pytest.raises(SystemExit):
+        train.parse_args(["--baseline-steps", "2"])
+    assert train.parse_args([]).baseline and not train.parse_args(["--compile"]).baseline
+    assert train.parse_args(["--compile", "--baseline"]).baseline
 
 
 def test_train_py_device_choice_with_fewer_gpus_than_ranks():

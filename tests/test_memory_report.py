@@ -358,3 +358,14 @@ def test_offloaded_values_in_host_memory_are_not_device_bytes():
     table = ac.memory.format_table([kept])
     assert "saved in host memory" in table and "in host memory)" in table
     assert ac.memory.RankReport.from_dict(kept.to_dict()) == kept
+
+
+def test_save_run_on_a_rank_without_reports_writes_nothing(tmp_path):
+    """Every rank calls gather() and save_run() (README); the ranks where gather returned
+    None write nothing, and rank 0's file is not touched by them."""
+    path = os.path.join(tmp_path, "run.json")
+    memory.save_run(None, path)
+    assert not os.path.exists(path)
+    memory.save_run([memory.RankReport(rank=0, world_size=2), memory.RankReport(rank=1, world_size=2)], path)
+    memory.save_run(None, path)
+    assert [r.rank for r in memory.load_run(path)] == [0, 1]

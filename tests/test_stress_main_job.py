@@ -7,7 +7,8 @@ collective's work (``AsyncAllgatherWork``) while the main thread was already in
 ``Py_FinalizeEx``; dropping the work released a tensor's Python object, which needs the
 GIL, and a thread that asks for the GIL during finalization is ended by
 ``pthread_exit`` inside a C++ destructor -> std::terminate (Note [Shutdown order] in
-launch/train.py). The job now joins the process group's threads before it returns.
+ac2_dist/distributed.py). The job now ends with ``ac2_dist.distributed.shutdown()``, which
+joins the process group's threads before the interpreter finalizes.
 
 The stress test runs the 2-rank job (with the report) many times under load: two jobs at
 a time, each on one CPU, the ranks started as torchrun starts them, their gloo worker
@@ -30,8 +31,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
+# The job as users run it (its baseline included: three more sharded models made and
+# dropped before shutdown), sized to take seconds.
 ARGS = ["--steps", "2", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "32", "--batch", "2",
-        "--ac", "ac2-sac"]
+        "--ac", "ac2-sac", "--baseline-steps", "3"]
 RUNS = int(os.environ.get("AC2_STRESS_RUNS", "50"))
 JOB_TIMEOUT = 240.0
 ABORT_MARKERS = ("terminate called", "Fatal Python error", "Segmentation fault")

@@ -5,51 +5,51 @@ HF's own gradient-checkpointing mechanism.
     hf.enable(model, policy="recompute_all", every_n_layers=1)   # instead of
     # model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf.disable(model)
-
-Note [Through HF's own switch]
-    :func:`enable` turns on HF's checkpointing with HF's own method (so everything HF
-    does for checkpointed layers keeps working: ``is_gradient_checkpointing`` is true,
-    caches are disabled in training, ``every_n_layers``, input grads for embeddings,
-    ``save_pretrained``) and then gives every module HF set up the checkpointing
-    function ``ac2_dist.checkpoint_with(...)`` in place of torch's. HF
-    calls it as ``func(partial(layer.forward, **kwargs), *args)`` in training mode
-    only, so generation and evaluation run the plain forward (Note [A second switch
-    keeps ac2] for a Trainer that turns HF's checkpointing on again).
-
-Note [HF's methods, not the instance's]
-    transformers honours ``activation_checkpointing_enable`` /
-    ``gradient_checkpointing_enable`` overridden on the *instance* (the natural way to
-    make Trainer's switch select ac2: ``model.activation_checkpointing_enable = lambda
-    **kw: hf.enable(model)``). HF's class method looks those attributes up on the
-    instance again, so calling it from :func:`enable` would re-enter the override.
-    :func:`enable` and :func:`disable` therefore run the class's methods with the
-    instance's overrides hidden for the duration of the call (restored after), so
-    class-level overrides (custom model code) still run and instance ones do not.
-
-Note [A second switch keeps ac2]
-    A Trainer given ``gradient_checkpointing=True`` calls the model's
-    ``activation_checkpointing_enable`` after the user's :func:`enable`, which would put
-    torch's checkpoint back silently. :func:`enable` therefore sets that method (and the
-    deprecated ``gradient_checkpointing_enable``) on the instance -- unless the user
-    already overrode it there -- to one that re-applies ac2 (honouring
-    ``every_n_layers``) and warns once per model; :func:`disable` removes it. A Trainer
-    that should choose the policy uses ``integrations.torch_checkpoint`` instead.
-
-Note [Model code that calls torch's checkpoint itself]
-    A few models call ``torch.utils.checkpoint.checkpoint`` in their own forward instead
-    of through HF's ``_gradient_checkpointing_func`` (CLVP's conditioning encoder,
-    Grounding DINO's encoder layers). HF's switch turns those calls on too, and
-    :func:`enable` cannot give them ac2's function: they stay torch's checkpoint. So
-    :func:`enable` warns once naming them, :func:`torch_checkpointed` lists them, and
-    :func:`is_enabled` is False while any is on (it says that every checkpointed call
-    of the model is ac2's). ``integrations.torch_checkpoint.enable(...)`` routes those
-    calls to ac2 as well (it patches torch's entry points for the process).
-
-Note [What users hold]
-    ``peft.get_peft_model`` returns a ``PeftModel`` around the ``PreTrainedModel``; HF's
-    own switch works on it (attribute forwarding), so :func:`enable`, :func:`disable` and
-    :func:`is_enabled` accept it too and act on ``get_base_model()``.
 """
+
+# Note [Through HF's own switch]
+#     :func:`enable` turns on HF's checkpointing with HF's own method (so everything HF
+#     does for checkpointed layers keeps working: ``is_gradient_checkpointing`` is true,
+#     caches are disabled in training, ``every_n_layers``, input grads for embeddings,
+#     ``save_pretrained``) and then gives every module HF set up the checkpointing
+#     function ``ac2_dist.checkpoint_with(...)`` in place of torch's. HF
+#     calls it as ``func(partial(layer.forward, **kwargs), *args)`` in training mode
+#     only, so generation and evaluation run the plain forward (Note [A second switch
+#     keeps ac2] for a Trainer that turns HF's checkpointing on again).
+#
+# Note [HF's methods, not the instance's]
+#     transformers honours ``activation_checkpointing_enable`` /
+#     ``gradient_checkpointing_enable`` overridden on the *instance* (the natural way to
+#     make Trainer's switch select ac2: ``model.activation_checkpointing_enable = lambda
+#     **kw: hf.enable(model)``). HF's class method looks those attributes up on the
+#     instance again, so calling it from :func:`enable` would re-enter the override.
+#     :func:`enable` and :func:`disable` therefore run the class's methods with the
+#     instance's overrides hidden for the duration of the call (restored after), so
+#     class-level overrides (custom model code) still run and instance ones do not.
+#
+# Note [A second switch keeps ac2]
+#     A Trainer given ``gradient_checkpointing=True`` calls the model's
+#     ``activation_checkpointing_enable`` after the user's :func:`enable`, which would put
+#     torch's checkpoint back silently. :func:`enable` therefore sets that method (and the
+#     deprecated ``gradient_checkpointing_enable``) on the instance -- unless the user
+#     already overrode it there -- to one that re-applies ac2 (honouring
+#     ``every_n_layers``) and warns once per model; :func:`disable` removes it. A Trainer
+#     that should choose the policy uses ``integrations.torch_checkpoint`` instead.
+#
+# Note [Model code that calls torch's checkpoint itself]
+#     A few models call ``torch.utils.checkpoint.checkpoint`` in their own forward instead
+#     of through HF's ``_gradient_checkpointing_func`` (CLVP's conditioning encoder,
+#     Grounding DINO's encoder layers). HF's switch turns those calls on too, and
+#     :func:`enable` cannot give them ac2's function: they stay torch's checkpoint. So
+#     :func:`enable` warns once naming them, :func:`torch_checkpointed` lists them, and
+#     :func:`is_enabled` is False while any is on (it says that every checkpointed call
+#     of the model is ac2's). ``integrations.torch_checkpoint.enable(...)`` routes those
+#     calls to ac2 as well (it patches torch's entry points for the process).
+#
+# Note [What users hold]
+#     ``peft.get_peft_model`` returns a ``PeftModel`` around the ``PreTrainedModel``; HF's
+#     own switch works on it (attribute forwarding), so :func:`enable`, :func:`disable` and
+#     :func:`is_enabled` accept it too and act on ``get_base_model()``.
 
 from __future__ import annotations
 
@@ -233,7 +233,8 @@ def disable(model: Any) -> Any:
 def is_enabled(model: Any) -> bool:
     """Whether ``model``'s checkpointing is ac2's: some layer is checkpointed by ac2
     through HF, and no module with checkpointing on calls torch's checkpoint itself
-    (:func:`torch_checkpointed`; Note [Model code that calls torch's checkpoint itself])."""
+    (:func:`torch_checkpointed`)."""
+    # See Note [Model code that calls torch's checkpoint itself].
     model = _hf_model(model, "is_enabled")
     return any(
         getattr(m, "gradient_checkpointing", False) and is_ac2_checkpoint(m.__dict__.get("_gradient_checkpointing_func"))
@@ -244,8 +245,8 @@ def is_enabled(model: Any) -> bool:
 def torch_checkpointed(model: Any) -> list[str]:
     """Names of the modules of ``model`` whose checkpointing is on and whose forward
     calls ``torch.utils.checkpoint.checkpoint`` itself: :func:`enable` does not reach
-    those calls, they run torch's checkpoint (Note [Model code that calls torch's
-    checkpoint itself]). Empty for most models."""
+    those calls, they run torch's checkpoint (``integrations.torch_checkpoint.enable``
+    routes them to ac2). Empty for most models."""
     model = _hf_model(model, "torch_checkpointed")
     found = []
     for name, m in model.named_modules():

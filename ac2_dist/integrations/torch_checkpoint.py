@@ -14,80 +14,80 @@ torchtitan), torchtune's ``set_activation_checkpointing``, torch's composable
 forward once, backward replays only what it needs, never a collective) with the switch's
 policy, or with the selective-checkpoint policy a framework passes as ``context_fn``
 (fresh per call, as torch does).
-
-Note [Where the switch reaches torch's checkpoint]
-    Frameworks reach torch's checkpoint three ways, and the switch patches one seam per
-    way (restored exactly -- the same objects -- when it goes off):
-
-    1. By attribute, at call time (``torch.utils.checkpoint.checkpoint(...)``; torch's
-       ``checkpoint_sequential`` looks ``checkpoint`` up in its module too): the
-       attribute is replaced by :func:`_routed_checkpoint`, which has torch's signature.
-    2. By a name captured at import (``from torch.utils.checkpoint import checkpoint``
-       in ``transformers.modeling_utils``, ``checkpoint_wrapper``'s module, Lightning,
-       torchtune, torchtitan): every module already imported whose global of any name
-       *is* torch's function gets :func:`_routed_checkpoint` under that name. A module
-       imported while the switch is on captures the routed function itself; after
-       ``disable()`` it keeps it, and it behaves exactly like torch's (it calls torch's
-       function whenever the switch is off).
-    3. By a function object kept in an object (``functools.partial(checkpoint, ...)``
-       that ``CheckpointWrapper`` or an HF layer made before the switch went on; from
-       torch 2.14 also the decorator ``checkpoint(use_reentrant=False)(fn)``): torch's
-       non-reentrant checkpoint looks its generator up in its module at every call, and
-       so does the composable ``checkpoint(module)``'s forward hook in its own module.
-       That generator is ``_checkpoint_without_reentrant_generator`` up to torch 2.13
-       and ``_checkpoint_without_reentrant_generator_impl`` from 2.14 (the old name
-       stays as a shim that calls the new one, and the composable module imports the
-       new name): the name torch's code calls (:data:`_GENERATOR_SEAM`) gets the routed
-       generator of its signature, in both modules, which opens an ac2 region around the
-       forward instead of torch's.
-
-    Reentrant checkpoint (``use_reentrant=True``) keeps torch's behaviour unless the
-    switch was turned on with ``reentrant=True``; then ways 1 and 2 route it too, and so
-    does ``torch.utils.checkpoint.CheckpointFunction`` (what reentrant calls through a
-    kept function object use), which is :class:`_RoutedCheckpointFunction` while the
-    switch is on (it runs torch's class unless the options say ``reentrant=True``). A call with
-    ``use_reentrant`` unset is ac2's through ways 1 and 2 (torch 2.13 would run it
-    reentrant with a warning); through way 3 it reaches torch's reentrant path, which
-    only ``reentrant=True`` routes.
-
-    ``respect_saved_tensors_hooks=True`` (torch >= 2.14: route what selective checkpoint
-    saves through the saved-tensor hooks around the call, e.g. ``save_on_cpu``) with
-    such hooks in scope runs torch's checkpoint for that call, with a warning (once per
-    call site, Python's default filter): ac2 keeps its saved values itself, outside
-    those hooks, so it would keep on the device what torch moves away. With ``None`` /
-    ``False``, or no user hooks in scope, the call is ac2's (torch's legacy behaviour:
-    saved values bypass the hooks).
-
-    Note [The switch checks that torch still calls its seams]
-        Way 3 depends on torch's code calling the generator by its module name; torch
-        2.14 renamed it (keeping the old name as a shim torch itself no longer calls),
-        which silently sent kept function objects to torch's checkpoint: the blocks ran
-        twice and, with ``preserve_rng_state=False``, gradients were not eager's. So the
-        first install reads torch's code: unless ``checkpoint`` (or a function of its
-        module it calls) and the composable ``checkpoint`` (or a hook nested in it) look
-        the seam's name up, ``enable()`` warns that those entry points stay torch's on
-        this torch (:func:`_unreached_seams`).
-
-    Not reached: compiled code (dynamo turns torch's checkpoint into its own
-    higher-order op: the routed functions call torch's when ``torch.compile`` traces,
-    so compiled blocks are torch's selective checkpoint, as ac2's own compiled path is);
-    a framework that copied torch's code or calls ``CheckpointFunction`` subclasses.
-
-Note [Switch state is per process, scopes per thread]
-    The patched attributes are process-wide by nature, so one :class:`_Switchboard`
-    (with a lock) owns them: ``enable()`` sets the process-wide options, ``with
-    enabled()`` pushes options for the calling thread only (nested scopes: the innermost
-    wins; it overrides ``enable()``'s). A routed call asks the calling thread's innermost
-    scope, else the process-wide options, else runs torch's code unchanged -- so another
-    thread's checkpoint calls are untouched by a scope. The patches are installed while
-    any options exist (process-wide or a scope in any thread) and removed when the last
-    goes, also when the ``with`` body raised.
-
-Note [preserve_rng_state under the switch]
-    Either value of ``preserve_rng_state`` regenerates random ops' bits exactly
-    (``rng="replay"``, the switch's default): eager's gradients at torch's memory. torch
-    with ``False`` draws new masks in its recompute; ``enable(rng="save")`` keeps them.
 """
+
+# Note [Where the switch reaches torch's checkpoint]
+#     Frameworks reach torch's checkpoint three ways, and the switch patches one seam per
+#     way (restored exactly -- the same objects -- when it goes off):
+#
+#     1. By attribute, at call time (``torch.utils.checkpoint.checkpoint(...)``; torch's
+#        ``checkpoint_sequential`` looks ``checkpoint`` up in its module too): the
+#        attribute is replaced by :func:`_routed_checkpoint`, which has torch's signature.
+#     2. By a name captured at import (``from torch.utils.checkpoint import checkpoint``
+#        in ``transformers.modeling_utils``, ``checkpoint_wrapper``'s module, Lightning,
+#        torchtune, torchtitan): every module already imported whose global of any name
+#        *is* torch's function gets :func:`_routed_checkpoint` under that name. A module
+#        imported while the switch is on captures the routed function itself; after
+#        ``disable()`` it keeps it, and it behaves exactly like torch's (it calls torch's
+#        function whenever the switch is off).
+#     3. By a function object kept in an object (``functools.partial(checkpoint, ...)``
+#        that ``CheckpointWrapper`` or an HF layer made before the switch went on; from
+#        torch 2.14 also the decorator ``checkpoint(use_reentrant=False)(fn)``): torch's
+#        non-reentrant checkpoint looks its generator up in its module at every call, and
+#        so does the composable ``checkpoint(module)``'s forward hook in its own module.
+#        That generator is ``_checkpoint_without_reentrant_generator`` up to torch 2.13
+#        and ``_checkpoint_without_reentrant_generator_impl`` from 2.14 (the old name
+#        stays as a shim that calls the new one, and the composable module imports the
+#        new name): the name torch's code calls (:data:`_GENERATOR_SEAM`) gets the routed
+#        generator of its signature, in both modules, which opens an ac2 region around the
+#        forward instead of torch's.
+#
+#     Reentrant checkpoint (``use_reentrant=True``) keeps torch's behaviour unless the
+#     switch was turned on with ``reentrant=True``; then ways 1 and 2 route it too, and so
+#     does ``torch.utils.checkpoint.CheckpointFunction`` (what reentrant calls through a
+#     kept function object use), which is :class:`_RoutedCheckpointFunction` while the
+#     switch is on (it runs torch's class unless the options say ``reentrant=True``). A call with
+#     ``use_reentrant`` unset is ac2's through ways 1 and 2 (torch 2.13 would run it
+#     reentrant with a warning); through way 3 it reaches torch's reentrant path, which
+#     only ``reentrant=True`` routes.
+#
+#     ``respect_saved_tensors_hooks=True`` (torch >= 2.14: route what selective checkpoint
+#     saves through the saved-tensor hooks around the call, e.g. ``save_on_cpu``) with
+#     such hooks in scope runs torch's checkpoint for that call, with a warning (once per
+#     call site, Python's default filter): ac2 keeps its saved values itself, outside
+#     those hooks, so it would keep on the device what torch moves away. With ``None`` /
+#     ``False``, or no user hooks in scope, the call is ac2's (torch's legacy behaviour:
+#     saved values bypass the hooks).
+#
+#     Note [The switch checks that torch still calls its seams]
+#         Way 3 depends on torch's code calling the generator by its module name; torch
+#         2.14 renamed it (keeping the old name as a shim torch itself no longer calls),
+#         which silently sent kept function objects to torch's checkpoint: the blocks ran
+#         twice and, with ``preserve_rng_state=False``, gradients were not eager's. So the
+#         first install reads torch's code: unless ``checkpoint`` (or a function of its
+#         module it calls) and the composable ``checkpoint`` (or a hook nested in it) look
+#         the seam's name up, ``enable()`` warns that those entry points stay torch's on
+#         this torch (:func:`_unreached_seams`).
+#
+#     Not reached: compiled code (dynamo turns torch's checkpoint into its own
+#     higher-order op: the routed functions call torch's when ``torch.compile`` traces,
+#     so compiled blocks are torch's selective checkpoint, as ac2's own compiled path is);
+#     a framework that copied torch's code or calls ``CheckpointFunction`` subclasses.
+#
+# Note [Switch state is per process, scopes per thread]
+#     The patched attributes are process-wide by nature, so one :class:`_Switchboard`
+#     (with a lock) owns them: ``enable()`` sets the process-wide options, ``with
+#     enabled()`` pushes options for the calling thread only (nested scopes: the innermost
+#     wins; it overrides ``enable()``'s). A routed call asks the calling thread's innermost
+#     scope, else the process-wide options, else runs torch's code unchanged -- so another
+#     thread's checkpoint calls are untouched by a scope. The patches are installed while
+#     any options exist (process-wide or a scope in any thread) and removed when the last
+#     goes, also when the ``with`` body raised.
+#
+# Note [preserve_rng_state under the switch]
+#     Either value of ``preserve_rng_state`` regenerates random ops' bits exactly
+#     (``rng="replay"``, the switch's default): eager's gradients at torch's memory. torch
+#     with ``False`` draws new masks in its recompute; ``enable(rng="save")`` keeps them.
 
 from __future__ import annotations
 
@@ -282,7 +282,7 @@ def enable(
     """Run torch's checkpoint entry points with ac2, in every thread, until :func:`disable`.
 
     Args:
-        policy: an ac2 policy (CONTRACT §2) for calls that pass no selective-checkpoint
+        policy: an ac2 policy (any form :func:`ac2_dist.apply_ac` accepts) for calls that pass no selective-checkpoint
             ``context_fn``; default ``"recompute_all"``.
         policy_factory: instead of ``policy``, a zero-argument callable called per call.
         rng: ``"replay"`` (default: random bits regenerated, eager's gradients, nothing

@@ -1,0 +1,57 @@
+"""CI step 3: a smoke test of ac2_dist installed from its wheel, with no extras.
+
+    cd /somewhere/outside/the/checkout && python REPO/.ci/smoke_wheel.py REPO
+
+Checks that ac2_dist comes from site-packages (not the checkout), that its version is
+pyproject.toml's and the metadata's, that py.typed and the C recorder are installed, that
+every public name and the torch-only integration import, and that a checkpointed model
+trains with eager's gradients and a memory report. Raises (exit 1) on the first failure.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+import sys
+
+import torch
+
+import ac2_dist as ac
+from ac2_dist import _tracer
+from ac2_dist.integrations import torch_checkpoint
+
+
+def main(repo: str) -> None:
+    extras = [m for m in ("numpy", "matplotlib", "pytest", "transformers") if importlib.util.find_spec(m) is not None]
+    assert not extras, f"the wheel's venv has packages of extras: {extras}"
+    where = os.path.dirname(os.path.abspath(ac.__file__))
+    assert "site-packages" in where and not where.startswith(os.path.abspath(repo)), (
+        f"ac2_dist was imported from {where}, not from the installed wheel")
+    with open(os.path.join(repo, "pyproject.toml"), encoding="utf-8") as f:
+        version = re.search(r'^version = "([^"]+)"', f.read(), re.MULTILINE).group(1)
+    assert ac.__version__ == importlib.metadata.version("ac2-dist") == version, (ac.__version__, version)
+    assert os.path.isfile(os.path.join(where, "py.typed")), "py.typed is not installed"
+    assert _tracer.C_DISPATCH is not None, "the wheel's C recorder is not in use"
+    for name in ac.__all__:
+        getattr(ac, name)
+    assert not torch_checkpoint.is_enabled()
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+    model(x).sum().backward()
+    eager = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ac.apply_ac(model, "recompute_all")
+    with ac.memory.track(model) as tracker:
+        model(x).sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(eager, model.parameters())), "gradients differ from eager's"
+    report = tracker.report()
+    assert report.recomputed_ops > 0 and report.saved_bytes > 0, report
+    print(f"smoke_wheel: ac2_dist {ac.__version__} from {where}: public names import, C recorder in use, "
+          f"{report.recomputed_ops} ops replayed, gradients eager's")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
