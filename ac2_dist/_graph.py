@@ -16,7 +16,7 @@ Note [Use counts free recomputed values as soon as consumed]
     last pending consumer has it, and every node runs at most once per backward
     (all handles are armed before anything is replayed: together at the first unpack,
     Note [Arming waits for backward], and again at the start of a retained second
-    backward, see Note [Epochs]).
+    backward, see Note [Epochs: retain_graph=True]).
 
 Note [Arming waits for backward]
     A handle packed in forward is armed (its pending uses added, its node scheduled and
@@ -595,8 +595,9 @@ class Graph(Replayer):
                     uses[h.node.seq + h.idx] += h.count - 1
 
     def arm(self, node: Node, idx: int) -> None:
-        """Add one pending use of ``node[idx]`` (Note [Use counts ...]); saved values
-        count their uses too (Note [Saved values die at their last use])."""
+        """Add one pending use of ``node[idx]`` (Note [Use counts free recomputed values
+        as soon as consumed]); saved values count their uses too (Note [Saved values
+        die at their last use])."""
         uses = self.uses
         uses[node.seq + idx] += 1
         if node.scheduled or node.saved is not None and node.saved[idx] is not None:

@@ -856,7 +856,7 @@ class _BudgetRegion:
                 for pos, m, _ in input_refs(r.node):
                     if pos in writes:
                         written.add(m.seq)
-                        if m.alias_of is not None:  # its storage's owner (Note [Aliases a schema ...])
+                        if m.alias_of is not None:  # its storage's owner (Note [Aliases a schema does not declare] in _tracer.py)
                             written.add(m.alias_of[0].seq)
         problem = _Problem(self.records, targets, forced, written, tuple(self.signature))
         plan = self.budget._adopt(self.fqn, problem)
