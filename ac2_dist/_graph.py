@@ -169,11 +169,11 @@ from __future__ import annotations
 import threading
 import weakref
 from array import array
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ._graph_stats import GraphStats
 from ._nodes import (
     FREED,
     NO_KWARGS,
@@ -194,28 +194,6 @@ from .compile import skip_dynamo
 from .fsdp import ensure_unsharded
 
 _CP = torch.utils.checkpoint.CheckpointPolicy
-
-
-@dataclass
-class GraphStats:
-    """Counters of one region's graph; readable after the region exits.
-
-    ``recomputed_bytes`` counts what replays allocated (view outputs allocate nothing).
-    ``cached_bytes`` is the size of recomputed values alive right now (waiting for a
-    pending consumer); ``peak_cached_bytes`` its maximum.
-    """
-
-    nodes: int = 0
-    saved_nodes: int = 0
-    recomputed_ops: int = 0
-    recomputed_bytes: int = 0
-    cached_bytes: int = 0
-    peak_cached_bytes: int = 0
-    replay_seconds: float = 0.0
-    backward_epochs: int = 0
-    collectives: int = 0  # collective / FSDP / registered ops recorded (never replayed)
-    recomputed_by_module: dict[str, int] = field(default_factory=dict)  # only while tracked
-
 
 
 # Use counters allocated when a graph is made (Note [Use counts live in one array]).

@@ -36,7 +36,8 @@ import torch.nn as nn
 
 from ._alloc import AllocationTrace, active_trace
 from ._device import module_cuda_device
-from ._graph import Graph, GraphStats
+from ._graph import Graph
+from ._graph_stats import GraphStats
 from ._nodes import REASONS, Node
 from ._region import _thread_state
 
