@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import warnings
 import weakref
 from collections import Counter
@@ -39,7 +38,9 @@ from ._device import module_cuda_device
 from ._graph import Graph
 from ._graph_stats import GraphStats
 from ._nodes import REASONS, Node
+from ._pipelining import pipeline_microbatch as _pipeline_microbatch
 from ._region import _thread_state
+from ._sizes import human_bytes as _human_bytes
 
 __all__ = ["RankReport", "Tracker", "track", "gather", "format_table", "plot", "save_run", "load_run", "run_warnings"]
 
@@ -313,33 +314,6 @@ def _output_grad_fns(output: Any) -> list[Any]:
     return list(fns.values())
 
 
-def _pipeline_microbatch() -> tuple[int, int] | None:
-    """``(id(stage), microbatch)`` of the ``torch.distributed.pipelining`` stage forward
-    running on this thread, if one is (``_PipelineStageBase.forward_one_chunk`` on the
-    call stack); ``None`` otherwise or if pipelining is not imported.
-
-    Note [Pipeline steps]: counting forwards in flight cannot tell a schedule step from
-    its microbatches on a stage that finishes each microbatch's backward before the next
-    forward (the last stage of 1F1B: F0 B0 F1 B1 ...), which is exactly plain training.
-    The schedule knows: it runs microbatch i's forward once per stage and step, so a
-    forward of a (stage, microbatch) pair already seen in the current step starts the
-    next step. The pair is read from the stage's own frame (nothing is patched).
-    """
-    stage_module = sys.modules.get("torch.distributed.pipelining.stage")
-    base = getattr(stage_module, "_PipelineStageBase", None)
-    code = getattr(getattr(base, "forward_one_chunk", None), "__code__", None)
-    if code is None:
-        return None
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            local = frame.f_locals
-            chunk = local.get("fwd_chunk_id")
-            return (id(local.get("self")), chunk) if isinstance(chunk, int) else None
-        frame = frame.f_back
-    return None
-
-
 class _Graphs:
     """A live view of the graphs a tracker recorded, in order; held weakly (Note [The
     tracker keeps no graph alive]), so it yields those still alive."""
@@ -525,7 +499,7 @@ class Tracker:
     # with a model, one that returned an output with a grad_fn whose backward has not
     # ended and whose autograd graph is alive; without, a live graph with a handle no
     # backward has read yet. Inside a torch.distributed.pipelining stage forward, the
-    # (stage, microbatch) pair decides instead (Note [Pipeline steps]).
+    # (stage, microbatch) pair decides instead (Note [Pipeline steps] in _pipelining.py).
 
     def step(self) -> None:
         """Start a new step now; from then on only calls to ``step()`` start steps
@@ -820,14 +794,6 @@ def run_warnings(reports: list[RankReport]) -> list[str]:
     if dup:
         problems.append(f"duplicate rank(s) {dup}")
     return problems
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 _ROWS = [

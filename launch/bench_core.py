@@ -51,7 +51,7 @@ from models import GPTBlock, GPTStack, MLPLayer, Stage, StageStack  # noqa: E402
 
 import ac2_dist as ac  # noqa: E402
 from ac2_dist._alloc import AllocationTrace  # noqa: E402
-from ac2_dist.budget import _FLOP_ALIASES  # noqa: E402  (ops without a formula of their own)
+from ac2_dist._block_problem import _FLOP_ALIASES  # noqa: E402  (ops without a formula of their own)
 
 aten = torch.ops.aten
 SAVE_OPS = [aten.mm.default, aten.addmm.default]
