@@ -117,7 +117,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "launch"))
 sys.path.insert(0, ROOT)  # ac2_dist from this checkout: the GPU machine has no pip
 
-import bench_core  # noqa: E402
+import bench_common  # noqa: E402
 import bench_gpu  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -549,8 +549,8 @@ def _grads_of(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _timed_steps(ctx: Context, steps: dict[str, Callable[[], Any]], rounds: int, warmup: int) -> dict[str, list]:
-    """Interleaved rounds (bench_core.timed_rounds), synchronized on CUDA."""
-    return bench_core.timed_rounds(steps, rounds, warmup, sync=ctx.sync if ctx.cuda else None)
+    """Interleaved rounds (bench_common.timed_rounds), synchronized on CUDA."""
+    return bench_common.timed_rounds(steps, rounds, warmup, sync=ctx.sync if ctx.cuda else None)
 
 
 def offload(ctx: Context) -> dict:
@@ -589,7 +589,7 @@ def offload(ctx: Context) -> dict:
     def run(mode: str) -> None:
         ctxm = save_on_cpu(pin_memory=pin) if mode == "torch-save_on_cpu" else contextlib.nullcontext()
         with ctxm:
-            loss = bench_core.forward(models[mode], x)
+            loss = bench_common.forward(models[mode], x)
         loss.backward()
 
     def step(mode: str) -> None:
@@ -615,7 +615,7 @@ def offload(ctx: Context) -> dict:
     times = _timed_steps(ctx, {m: functools.partial(step, m) for m in models}, args.rounds, args.warmup)
     for mode, r in results.items():
         r["step_seconds_median"] = statistics.median(times[mode])
-        r["step_vs_save_on_cpu"] = bench_core.ratio_stats(times[mode], times["torch-save_on_cpu"])
+        r["step_vs_save_on_cpu"] = bench_common.ratio_stats(times[mode], times["torch-save_on_cpu"])
         r["peak_vs_save_on_cpu"] = r["peak_bytes"] / max(results["torch-save_on_cpu"]["peak_bytes"], 1)
         r["peak_vs_no_ac"] = r["peak_bytes"] / max(results["no-ac"]["peak_bytes"], 1)
     errors = {m: rel_err(g, grads["no-ac"]) for m, g in grads.items() if m != "no-ac"}
@@ -647,7 +647,7 @@ def memory_reports(ctx: Context) -> dict:
     x = torch.randn(args.batch, args.seq, args.dim).to(ctx.device, ctx.dtype).requires_grad_()
 
     def step() -> None:
-        bench_core.forward(model, x).backward()
+        bench_common.forward(model, x).backward()
 
     model.zero_grad(set_to_none=True)
     step()  # warm
@@ -721,7 +721,7 @@ def eager_overhead(ctx: Context) -> dict:
             for m in modes:
                 ctx.sync()
                 t0, c0 = time.perf_counter(), time.process_time()
-                bench_core.step(models[m], ids, bench_hf.lm_loss)
+                bench_common.step(models[m], ids, bench_hf.lm_loss)
                 ctx.sync()
                 if r >= warmup:
                     wall[m].append(time.perf_counter() - t0)
@@ -730,13 +730,13 @@ def eager_overhead(ctx: Context) -> dict:
         for m in modes:
             rows[m] = {"step_seconds_median": statistics.median(wall[m]),
                        "cpu_seconds_per_step_median": statistics.median(cpu[m]),
-                       "step_vs_hf_torch": bench_core.ratio_stats(wall[m], wall["hf-torch"]),
-                       "step_vs_no_ac": bench_core.ratio_stats(wall[m], wall["no-ac"]),
-                       "cpu_vs_hf_torch": bench_core.ratio_stats(cpu[m], cpu["hf-torch"])}
+                       "step_vs_hf_torch": bench_common.ratio_stats(wall[m], wall["hf-torch"]),
+                       "step_vs_no_ac": bench_common.ratio_stats(wall[m], wall["no-ac"]),
+                       "cpu_vs_hf_torch": bench_common.ratio_stats(cpu[m], cpu["hf-torch"])}
         out[label] = {"batch": batch, "seq": length, "modes": rows}
     grads = {}  # one more step of the last shape, gradients sampled
     for m in modes:
-        bench_core.step(models[m], ids, bench_hf.lm_loss)
+        bench_common.step(models[m], ids, bench_hf.lm_loss)
         grads[m] = bench_gpu.grad_sample(models[m])
     errors = {m: rel_err(grads[m], grads["no-ac"]) for m in modes if m != "no-ac"}
     for m, e in errors.items():
@@ -757,24 +757,24 @@ def compile_section(ctx: Context) -> dict:
     modes = {"torch-full@compiled": "torch-full", "ac2-full@compiled": "ac2-full"}
     models, results, grads, compile_s = {}, {}, {}, {}
     for name, mode in modes.items():
-        models[name] = torch.compile(bench_core.checkpointed(base, mode, (GPTBlock,)), backend=backend,
+        models[name] = torch.compile(bench_common.checkpointed(base, mode, (GPTBlock,)), backend=backend,
                                      fullgraph=True)
         t0 = time.perf_counter()
-        bench_core.step(models[name], x)  # compiles
+        bench_common.step(models[name], x)  # compiles
         ctx.sync()
         compile_s[name] = time.perf_counter() - t0
         model = models[name]
         results[name] = {"compile_seconds": compile_s[name],
-                         "peak_bytes": ctx.peak_of(lambda model=model: bench_core.forward(model, x).backward(),
+                         "peak_bytes": ctx.peak_of(lambda model=model: bench_common.forward(model, x).backward(),
                                                    functools.partial(model.zero_grad, set_to_none=True))}
         grads[name] = _grads_of(models[name])
-    times = _timed_steps(ctx, {m: functools.partial(bench_core.step, models[m], x) for m in models}, args.rounds,
+    times = _timed_steps(ctx, {m: functools.partial(bench_common.step, models[m], x) for m in models}, args.rounds,
                          args.warmup)
     for name, r in results.items():
         r["step_seconds_median"] = statistics.median(times[name])
     a, t = results["ac2-full@compiled"], results["torch-full@compiled"]
     ratios = {"peak": a["peak_bytes"] / max(t["peak_bytes"], 1),
-              "step_time": bench_core.ratio_stats(times["ac2-full@compiled"], times["torch-full@compiled"])}
+              "step_time": bench_common.ratio_stats(times["ac2-full@compiled"], times["torch-full@compiled"])}
     err = rel_err(grads["ac2-full@compiled"], grads["torch-full@compiled"])
     del models
     torch._dynamo.reset()
