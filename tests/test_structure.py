@@ -213,6 +213,18 @@ def test_the_circle_check_catches_a_circle(tmp_path):
     assert "pkg.b imports pkg.a at line 2 (in a function)" in _describe(graph, ["pkg.a", "pkg.b"])
 
 
+# ---- room sizes ---------------------------------------------------------------------------
+
+
+def test_no_room_past_max_lines():
+    """Every module of ``ac2_dist/`` stays within ``MAX_LINES`` (the C recorder, whose
+    plain-op path and pack hook are one hot loop, is exempt)."""
+    sizes = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in sorted(PACKAGE.rglob("*.py"))}
+    assert len(sizes) > 30 and max(sizes.values()) > MAX_LINES // 2  # the scan reads the package
+    long = {str(p): n for p, n in sizes.items() if n > MAX_LINES}
+    assert not long, f"modules past {MAX_LINES} lines (split them along their Notes): {long}"
+
+
 # ---- Note references ----------------------------------------------------------------------
 
 # A Note is defined by a line that starts with it (after a comment marker or a docstring's
