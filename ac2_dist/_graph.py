@@ -176,6 +176,7 @@ import torch
 from ._graph_backward import _GraphBackward
 from ._graph_stats import GraphStats
 from ._nodes import (
+    FREED,  # noqa: F401  (re-exported: tests/test_recording_cost.py reads _graph.FREED)
     NO_KWARGS,
     Handle,
     MapEntry,
