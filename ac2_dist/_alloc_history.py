@@ -2,7 +2,7 @@
 
 Note [Measuring a CUDA step without a profiler]
     A ``MemoryBudget(peak=...)`` verifies its plan on CUDA by the peak allocated bytes
-    of each segment of a step (Note [The peak model] in _peak.py). It reads them from
+    of each segment of a step (Note [The peak model] in _peak_model.py). It reads them from
     the caching allocator, with no profiler session (a user's ``torch.profiler`` would
     stop it, and profiling slows the steps it measures) and without resetting any
     statistic a user reads (``max_memory_allocated()`` around a step reads the step's

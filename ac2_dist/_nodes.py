@@ -474,7 +474,7 @@ class Handle:
     # uses, if any, and how many it took (Note [Epochs: retain_graph=True]).
     consumed_task: int | None
     taken: int
-    prefetched: Any  # value realized ahead of its unpack (Note [Prefetching ...])
+    prefetched: Any  # value realized ahead of its unpack (Note [Prefetching the next unit's replay] in replay.py)
     ready: Any  # the event that value is ready on (side-stream executor)
     last: weakref.ref | None  # what consumed_task's unpack returned (a second read)
 

@@ -16,42 +16,8 @@ Note [What a peak target bounds]
     the blocks' saved and recomputed values, gradients, FSDP's unsharded parameters and
     prefetches, the replay working set, the loss and its backward.
 
-Note [The peak model]
-    The first step runs every block at the floor (``"recompute_all"``: a calibration
-    that holds nothing, Note [A calibration keeps what its plan saves] in budget.py does
-    not apply) and is measured from the allocator (on CPU its events: Note [One trace,
-    two readers] in _alloc.py; on CUDA its memory history and counters: Note [Measuring
-    a CUDA step without a profiler] in _alloc_history.py), with plan marks where block k's region enters (``fwd:k``) and where its
-    graph is first unpacked or prefetched (``bwd:k``: its backward begins). Each mark
-    opens a *segment* that runs to the next mark; its measured peak above the step's
-    start is that segment's *base*. A plan that saves ``dk_j`` bytes above block j's
-    floor (``M_j(S_j) - M_j(floor)``, Note [What a budget bounds] in budget.py) adds
-    ``dk_j`` to every segment in which those values are alive, so
-
-        predicted(S) = max over segments s of  base_s + sum(dk_j for j in alive(s))
-
-    with ``alive(fwd:k) = alive(bwd:k) = {0..k}``: block k's own saves count in its
-    forward (they accumulate there) and in its backward (the floor recomputes its
-    values lazily, one chain per unpack, so at its backward's start the floor holds
-    fewer of them than a plan that saved them). Blocks later in the forward are alive
-    in fewer segments; the last block's saves are alive only in its own forward and
-    backward and in what runs between them (the head, the loss, its backward): saving
-    there costs the least peak. The bases hold everything that does not depend on the
-    plan (parameters, gradients, FSDP buffers and prefetches, the loss), measured, not
-    modelled. Block j's options are the Pareto frontier of (``dk``, estimated recompute
-    seconds) of its structure (:meth:`_Problem.frontier`, Note [Cost model] in
-    budget.py); :func:`_solve` picks one option per block minimizing the summed cost
-    subject to every segment's prediction <= N: a dynamic program over the blocks in
-    forward order, whose state is the running sum of ``dk`` (the constraints are prefix
-    sums, so the state is all they need; bytes are rounded up to 1/4096 of the target).
-    Blocks are identified by module fqn; anonymous regions (a drop-in ``checkpoint(fn)``
-    call, fqn ``""``) by their position among the step's anonymous calls.
-
-    Where the model errs, it errs high: a saved output that is also kept anyway (a
-    block's output is the next block's input) is counted in ``dk``; block k's own saves
-    do not all add at its backward's peak; under FSDP, step 1 also holds one-time
-    buffers (lazy initialization). So the first plan measures below its prediction
-    (0.69-0.83 of the target in the tests) and the correction step uses the rest.
+How a plan's peak is predicted and solved for is Note [The peak model] in
+_peak_model.py; a measured step is a :class:`_Step` (_peak_step.py).
 
 Note [Verify, correct, stay put]
     After each planned step the measured segment peaks are compared with the target.
@@ -113,30 +79,26 @@ Note [One plan on every rank]
 
 from __future__ import annotations
 
-import math
-import re
 import threading
 import warnings
-from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ._alloc import AllocationTrace, active_trace
 from ._alloc_history import AllocatorHistory
-from .memory import _human_bytes as _human
-from .memory import _pipeline_microbatch
+from ._block_problem import BlockBudget, Plan, _Option, _Problem
+from ._peak_model import _solve
+from ._peak_step import _Call, _missing, _Record, _Step
+from ._pipelining import pipeline_microbatch as _pipeline_microbatch
+from ._sizes import human_bytes as _human
 
-if TYPE_CHECKING:
-    from .budget import MemoryBudget, _Problem
-
-__all__ = ["parse_size"]
+__all__ = ["PeakPlanner"]
 
 _USE = 0.97  # a plan using less of the target than this is corrected (Note [Verify, correct, stay put])
 _TRIES = 2  # planned steps measured before the planner stays put
-_GRID = 4096  # the DP rounds bytes up to target / _GRID
 _HISTORY = 64  # measured steps describe() lists
 _UNMEASURED = 8  # step starts in a row without a usable step after which the planner stays put
 _MAX_CALLS = 4096  # regions per step the planner follows
@@ -144,111 +106,23 @@ _FOREIGN_PROFILER = "a profiler session ac2 did not start is running"
 _OVERLAP = ("forwards and backwards of several steps interleaved (microbatches in flight, as under a "
             "pipeline schedule, or a forward without its backward)")
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 
 
-def parse_size(value: Any, name: str = "peak") -> int:
-    """Bytes from an int (> 0) or a string such as ``"70GiB"``, ``"512MiB"``, ``"1.5 GB"``
-    (units B, KB/MB/GB/TB = powers of 1000, KiB/MiB/GiB/TiB = powers of 1024)."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"ac2_dist.MemoryBudget: {name} must be an int (bytes) or a size string "
-                        f"such as '70GiB' or '512MiB', got {type(value).__name__} {value!r}")
-    if isinstance(value, int):
-        nbytes = value
-    else:
-        m = _SIZE.match(value)
-        unit = _UNITS.get(m.group(2).lower()) if m else None
-        if m is None or unit is None:
-            raise ValueError(f"ac2_dist.MemoryBudget: {name}={value!r} is not a size; write bytes as an int "
-                             f"or a number with a unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '70GiB')")
-        nbytes = int(float(m.group(1)) * unit)
-    if nbytes <= 0:
-        raise ValueError(f"ac2_dist.MemoryBudget: {name} must be > 0 bytes, got {value!r}")
-    return nbytes
+class PlannerOwner(BlockBudget, Protocol):
+    """What a :class:`PeakPlanner` reads of the budget that owns it (a
+    ``MemoryBudget(peak=...)``), beside what a block problem reads of it."""
 
+    _strict: bool  # a target below the measured floor raises instead of warning
 
-@dataclass
-class _Option:
-    """One saved set of a block structure: bytes above its floor and estimated cost."""
-
-    dk: int
-    seconds: float
-    flops: int
-    saved: frozenset
-
-
-@dataclass
-class _Call:
-    """One budget region of a step (a checkpointed block's call)."""
-
-    fqn: str
-    dk: int  # bytes its plan saves above its floor (0 at the floor)
-    signature: tuple | None = None  # its structure (known when it exits)
-
-
-@dataclass
-class _Step:
-    """One forward + backward as the planner measures it (Note [What a peak target bounds])."""
-
-    index: int
-    prefix: str  # of its plan marks: unique per planner and step
-    base_abs: int = 0  # allocated when it began (CUDA; 0 on CPU)
-    calls: list[_Call] = field(default_factory=list)
-    anonymous: int = 0  # regions without a module fqn so far (PeakPlanner._key)
-    trace: AllocationTrace | AllocatorHistory | None = None  # CPU: a profiler trace; CUDA: the allocator's history
-    own_trace: bool = False
-    backward: bool = False  # its backward began
-    ended: bool = False  # its backward completed
-    problem: str | None = None  # why it cannot be measured
-    peaks: dict[str, int] | None = None  # segment -> peak above the step's start
-    choice: Any = None  # the planner's choice when it began (what its blocks should follow)
-
-    def mark(self, what: str) -> None:
-        if self.trace is not None:
-            self.trace.plan_mark(self.prefix + what)
-
-    def names(self) -> list[str]:
-        out = []
-        for k in range(len(self.calls)):
-            out += [f"{self.prefix}fwd:{k}", f"{self.prefix}bwd:{k}"]
-        return out + [f"{self.prefix}end"]
-
-    def collect(self, trace: AllocationTrace | AllocatorHistory) -> None:
-        """The trace that measured this step has exited: read its segments."""
-        if getattr(trace, "problem", None) is not None:  # the allocator's history could not be read
-            self.problem = self.problem or trace.problem
-            return
-        spans = trace.spans(self.names())
-        start = spans.get(f"{self.prefix}fwd:0")
-        if start is None:
-            self.problem = self.problem or "its marks are missing from the allocation trace"
-            return
-        n = len(self.prefix)
-        self.peaks = {name[n:]: peak - start[0] for name, (_, peak) in spans.items() if not name.endswith("end")}
-        if not self.backward or not self.ended:
-            self.problem = self.problem or "its backward did not complete while it was traced"
-
-
-@dataclass
-class _Record:
-    """What one measured step showed (:meth:`PeakPlanner.describe`)."""
-
-    step: int
-    what: str
-    predicted: int | None
-    measured: int | None
-    note: str = ""
+    def _set_plans(self, plans: dict[str, Plan]) -> None:
+        """The plans the modules' next calls follow (fqn -> plan)."""
+        ...
 
 
 class PeakPlanner:
     """The global plan of one ``MemoryBudget(peak=...)`` (Notes above); owned by the budget."""
 
-    def __init__(self, budget: MemoryBudget, target: int) -> None:
+    def __init__(self, budget: PlannerOwner, target: int) -> None:
         self.budget = budget
         self.target = target  # bytes on this rank (Note [What a peak target bounds])
         self.lock = threading.RLock()
@@ -648,7 +522,7 @@ class PeakPlanner:
 
     # ---- planning -----------------------------------------------------------------------
     def options(self, signature: tuple) -> list[_Option]:
-        """The Pareto frontier of a block structure's saved sets (Note [The peak model])."""
+        """The Pareto frontier of a block structure's saved sets (Note [The peak model] in _peak_model.py)."""
         opts = self._options.get(signature)
         if opts is None:
             opts = self._options[signature] = self.problems[signature].frontier()
@@ -742,55 +616,6 @@ class PeakPlanner:
 
 def _opt_human(n: int | None) -> str:
     return "-" if n is None else _human(n)
-
-
-def _missing(segments: list[str], peaks: dict[str, int] | None) -> str | None:
-    if not peaks or f"fwd:{len(segments) // 2 - 1}" not in peaks:
-        return "its marks are missing from the allocation trace"
-    return None
-
-
-def _solve(options: list[list[_Option]], bases: dict[str, int], target: int) -> tuple[int, ...] | None:
-    """One option per block, least summed cost, every segment's prediction
-    ``base_s + sum(dk_j, j <= k)`` <= ``target`` (Note [The peak model]); ``None`` if
-    even the options with the fewest bytes do not fit."""
-    n = len(options)
-    caps = []
-    for k in range(n):
-        here = [bases[s] for s in (f"fwd:{k}", f"bwd:{k}") if s in bases]
-        caps.append(target - max(here) if here else math.inf)
-    q = max(1, math.ceil(max(target, 1) / _GRID))
-    # state: rounded prefix sum -> (cost, flops, choices as a linked list)
-    states: dict[int, tuple[float, int, Any]] = {0: (0.0, 0, None)}
-    for k, opts in enumerate(options):
-        cap = caps[k] / q
-        nxt: dict[int, tuple[float, int, Any]] = {}
-        for s, (cost, flops, back) in states.items():
-            for i, o in enumerate(opts):
-                s2 = s + -(-o.dk // q)
-                if s2 > cap:
-                    break  # options are sorted by dk
-                key = (cost + o.seconds, flops + o.flops)
-                cur = nxt.get(s2)
-                if cur is None or key < cur[:2]:
-                    nxt[s2] = (key[0], key[1], (i, back))
-        if not nxt:
-            return None
-        # Keep the Pareto states: a larger sum only if cheaper (a smaller sum meets
-        # every later constraint that a larger one meets).
-        states = {}
-        best = math.inf
-        for s in sorted(nxt):
-            c = nxt[s]
-            if c[0] < best - 1e-15:
-                states[s] = c
-                best = c[0]
-    _, _, back = min(states.values(), key=lambda c: (c[0], c[1]))
-    picked = []
-    while back is not None:
-        picked.append(back[0])
-        back = back[1]
-    return tuple(reversed(picked))
 
 
 def _all_max(values: list[int]) -> list[int]:

@@ -50,7 +50,8 @@ from typing import Any, TypeVar
 import torch
 
 from ._device import device_of, recorded_device
-from ._graph import Graph, GraphStats
+from ._graph import Graph
+from ._graph_stats import GraphStats
 from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, PolicySource, _Frame, is_save
 from ._streams import region_streams
 from ._tracer import Tracer, pack_hook, track_what_the_graph_holds

@@ -49,11 +49,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._graph_stats import GraphStats
 from ._nodes import flatten_outputs, producers, tensor_nbytes
 from .side_effects import _INFO
 
 if TYPE_CHECKING:
-    from ._graph import GraphStats
     from ._nodes import Node, RngChain
 
 

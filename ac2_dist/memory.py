@@ -16,19 +16,17 @@ user's ``torch.cuda.max_memory_allocated()`` around a tracked step reads the ste
 peak as it would untracked. What ac2 holds after forward is read from the regions'
 graphs (unique storages, parameters excluded): bytes on the device, and offloaded
 values resident in host memory apart. Nothing is installed while no tracker is active.
+
+This module tracks a step (:class:`Tracker`); the report it makes and what reads it
+live beside it and are importable from here: :class:`RankReport` (_rank_report.py),
+:func:`gather` and the run files (_run_file.py), :func:`format_table` and
+:func:`plot` (_report_table.py); what ac2 holds after forward is counted in _held.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import warnings
 import weakref
-from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
-from types import MappingProxyType
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -36,225 +34,18 @@ import torch.nn as nn
 
 from ._alloc import AllocationTrace, active_trace
 from ._device import module_cuda_device
-from ._graph import Graph, GraphStats
-from ._nodes import REASONS, Node
+from ._graph import Graph
+from ._graph_stats import GraphStats
+from ._held import _held_bytes, _storage_key
+from ._pipelining import pipeline_microbatch as _pipeline_microbatch
+from ._rank_report import _FIELD_CHECKS, SCHEMA_VERSION, RankReport  # noqa: F401  (re-exported: memory.RankReport, memory.SCHEMA_VERSION)
 from ._region import _thread_state
+from ._report_table import format_table, plot
+from ._run_file import _gather_json, gather, load_run, run_warnings, save_run  # noqa: F401  (_gather_json: launch/bench.py)
 
 __all__ = ["RankReport", "Tracker", "track", "gather", "format_table", "plot", "save_run", "load_run", "run_warnings"]
 
-SCHEMA_VERSION = 1
 _ALLGATHER_EVENTS = frozenset({"c10d::_allgather_base_", "_c10d_functional::all_gather_into_tensor"})
-
-
-@dataclass
-class RankReport:
-    """One rank's figures; bytes are ints. ``to_dict()`` is JSON-safe.
-
-    Peaks are the most bytes allocated at any moment of a step's forward (backward)
-    phases, above what was allocated when that step began (largest step reported);
-    ``live_bytes_after_forward`` is the most allocated, above the same base, when one of
-    its forward phases ended (with several microbatches in flight, all of them).
-    A step is found as :func:`track` says (or set by :meth:`Tracker.step`).
-    ``saved_bytes`` (and its split by reason) is what ac2 holds for backward in the
-    device's memory after forward; ``saved_host_bytes`` what it holds in host memory
-    (offloaded values whose host copy is the one kept), not device bytes.
-    """
-
-    rank: int = 0
-    world_size: int = 1
-    device: str = "cpu"
-    steps: int = 0
-    peak_bytes_forward: int = 0
-    peak_bytes_backward: int = 0
-    live_bytes_after_forward: int = 0  # everything still allocated when forward returned
-    saved_bytes: int = 0
-    saved_bytes_by_reason: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
-    saved_host_bytes: int = 0  # offloaded values held in host memory after forward
-    recomputed_ops: int = 0
-    recomputed_bytes: int = 0
-    replay_seconds: float = 0.0
-    collectives_not_replayed: int = 0
-    allgathers_backward: int = 0
-    per_module: dict[str, dict[str, int]] = field(default_factory=dict)
-    schema_version: int = SCHEMA_VERSION
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Any) -> RankReport:
-        """Rebuild a report from :meth:`to_dict`'s output (e.g. one entry of a run file).
-
-        Raises ValueError naming the first field that is missing or has the wrong type.
-        Every key of schema 1's first release is required; ``steps``,
-        ``live_bytes_after_forward`` and ``saved_host_bytes`` (added later in schema 1)
-        default to 0; unknown keys are ignored.
-        """
-        if not isinstance(d, dict):
-            raise ValueError(f"a rank report must be a JSON object (dict), got {_describe(d)}")
-        version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ValueError(
-                f"report schema_version {version!r} is not supported (expected "
-                f"{SCHEMA_VERSION}); re-run with a matching ac2_dist version"
-            )
-        missing = [k for k in _REQUIRED if k not in d]
-        if missing:
-            raise ValueError(f"report is missing field(s) {', '.join(missing)}")
-        values: dict[str, Any] = {}
-        for name, check in _FIELD_CHECKS.items():
-            if name in d:
-                values[name] = check(name, d[name])
-        return cls(**values)
-
-
-def _describe(value: Any) -> str:
-    """A short, one-line description of a JSON value for error messages."""
-    if value is None:
-        return "null"
-    kind = _JSON_NAMES.get(type(value), type(value).__name__)
-    text = repr(value)
-    return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
-
-
-_JSON_NAMES = MappingProxyType({dict: "object", list: "list", str: "string", bool: "boolean",
-                                int: "integer", float: "number"})
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: Any) -> int:
-    if not _is_int(value):
-        raise ValueError(f"field {name} must be an integer, got {_describe(value)}")
-    return value
-
-
-def _check_rank(name: str, value: Any) -> int:
-    if _check_int(name, value) < 0:
-        raise ValueError(f"field {name} must be >= 0, got {value}")
-    return value
-
-
-def _check_world_size(name: str, value: Any) -> int:
-    if _check_int(name, value) < 1:
-        raise ValueError(f"field {name} must be >= 1, got {value}")
-    return value
-
-
-def _check_float(name: str, value: Any) -> float:
-    if not (_is_int(value) or isinstance(value, float)):
-        raise ValueError(f"field {name} must be a number, got {_describe(value)}")
-    return float(value)
-
-
-def _check_str(name: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"field {name} must be a string, got {_describe(value)}")
-    return value
-
-
-def _check_int_map(name: str, value: Any) -> dict[str, int]:
-    if not isinstance(value, dict):
-        raise ValueError(f"field {name} must be an object of integers, got {_describe(value)}")
-    for key, v in value.items():
-        if not _is_int(v):
-            raise ValueError(f"field {name}[{key!r}] must be an integer, got {_describe(v)}")
-    return dict(value)
-
-
-def _check_per_module(name: str, value: Any) -> dict[str, dict[str, int]]:
-    if not isinstance(value, dict):
-        raise ValueError(f"field {name} must be an object {{fqn: {{...}}}}, got {_describe(value)}")
-    return {fqn: _check_int_map(f"{name}[{fqn!r}]", entry) for fqn, entry in value.items()}
-
-
-# Note [Run-file validation]: every field of RankReport has a checker here (a test
-# keeps the two in sync), so a report read back has the types format_table/plot use;
-# a bad file fails in from_dict with the field's name instead of deep inside rendering.
-_FIELD_CHECKS = MappingProxyType({
-    "rank": _check_rank,
-    "world_size": _check_world_size,
-    "device": _check_str,
-    "steps": _check_int,
-    "peak_bytes_forward": _check_int,
-    "peak_bytes_backward": _check_int,
-    "live_bytes_after_forward": _check_int,
-    "saved_bytes": _check_int,
-    "saved_bytes_by_reason": _check_int_map,
-    "saved_host_bytes": _check_int,
-    "recomputed_ops": _check_int,
-    "recomputed_bytes": _check_int,
-    "replay_seconds": _check_float,
-    "collectives_not_replayed": _check_int,
-    "allgathers_backward": _check_int,
-    "per_module": _check_per_module,
-    "schema_version": _check_int,
-})
-_OPTIONAL = frozenset({"steps", "live_bytes_after_forward", "saved_host_bytes"})  # added within schema 1
-_REQUIRED = tuple(k for k in _FIELD_CHECKS if k not in _OPTIONAL)
-
-
-def _host_resident(s: Any, t: torch.Tensor) -> bool:
-    """Whether saved value ``s``, held as ``t``, is kept in host memory for a value
-    computed elsewhere (an offloaded value's host copy), not in the device's memory."""
-    if s.offloaded:  # the offload schedule: the device tensor until committed, then the host copy
-        return s.value.device is None
-    if s.device is not None:  # a synchronous copy to the CPU (no schedule)
-        return True
-    home = s.meta[2] if s.hooks is not None and s.meta is not None else None  # SAVE_WITH_HOOKS
-    return home is not None and home.type != "cpu" and t.device.type == "cpu"
-
-
-def _held_bytes(graphs: Iterable[Graph], params: set[int]) -> tuple[dict[str, int], dict[str, int], int,
-                                                                     dict[str, int]]:
-    """Bytes of unique storages ac2 holds for backward in the device's memory, by reason
-    and by module, and in host memory (offloaded values), in all and by module."""
-    seen: set[int] = set()
-    by_reason = dict.fromkeys(REASONS, 0)
-    by_module: dict[str, int] = {}
-    host = 0
-    host_by_module: dict[str, int] = {}
-    visited: set[int] = set()
-    for graph in graphs:
-        stack: list[Node] = [h.node for h in list(graph.handles)]
-        while stack:
-            node = stack.pop()
-            if id(node) in visited:
-                continue
-            visited.add(id(node))
-            stack.extend(node.inputs[1::3])  # Note [Node inputs are one flat tuple] (_nodes.py)
-            for s in node.saved or ():
-                # An offloaded value occupies its device tensor or its host copy (offload.py).
-                t = s.value.held() if s is not None and s.offloaded else getattr(s, "value", None)
-                if not isinstance(t, torch.Tensor):
-                    continue
-                if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or node.fsdp_unit is not None:
-                    continue  # parameters (and views of them) are not activations
-                try:
-                    storage = t.untyped_storage()
-                    key, nbytes = storage.data_ptr(), storage.nbytes()
-                except (RuntimeError, NotImplementedError):  # subclasses without storage
-                    key, nbytes = id(t), s.nbytes
-                if key in params or key in seen or nbytes == 0:
-                    continue
-                seen.add(key)
-                if _host_resident(s, t):
-                    host += nbytes
-                    host_by_module[node.fqn] = host_by_module.get(node.fqn, 0) + nbytes
-                    continue
-                by_reason[s.reason] += nbytes
-                by_module[node.fqn] = by_module.get(node.fqn, 0) + nbytes
-    return by_reason, by_module, host, host_by_module
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t  # DTensor (FSDP2's sharded params)
-    try:
-        return local.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return id(t)
 
 
 class _Span:
@@ -310,33 +101,6 @@ def _output_grad_fns(output: Any) -> list[Any]:
             seen.add(id(o))
             stack.extend(o.values() if isinstance(o, Mapping) else o)
     return list(fns.values())
-
-
-def _pipeline_microbatch() -> tuple[int, int] | None:
-    """``(id(stage), microbatch)`` of the ``torch.distributed.pipelining`` stage forward
-    running on this thread, if one is (``_PipelineStageBase.forward_one_chunk`` on the
-    call stack); ``None`` otherwise or if pipelining is not imported.
-
-    Note [Pipeline steps]: counting forwards in flight cannot tell a schedule step from
-    its microbatches on a stage that finishes each microbatch's backward before the next
-    forward (the last stage of 1F1B: F0 B0 F1 B1 ...), which is exactly plain training.
-    The schedule knows: it runs microbatch i's forward once per stage and step, so a
-    forward of a (stage, microbatch) pair already seen in the current step starts the
-    next step. The pair is read from the stage's own frame (nothing is patched).
-    """
-    stage_module = sys.modules.get("torch.distributed.pipelining.stage")
-    base = getattr(stage_module, "_PipelineStageBase", None)
-    code = getattr(getattr(base, "forward_one_chunk", None), "__code__", None)
-    if code is None:
-        return None
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            local = frame.f_locals
-            chunk = local.get("fwd_chunk_id")
-            return (id(local.get("self")), chunk) if isinstance(chunk, int) else None
-        frame = frame.f_back
-    return None
 
 
 class _Graphs:
@@ -524,7 +288,7 @@ class Tracker:
     # with a model, one that returned an output with a grad_fn whose backward has not
     # ended and whose autograd graph is alive; without, a live graph with a handle no
     # backward has read yet. Inside a torch.distributed.pipelining stage forward, the
-    # (stage, microbatch) pair decides instead (Note [Pipeline steps]).
+    # (stage, microbatch) pair decides instead (Note [Pipeline steps] in _pipelining.py).
 
     def step(self) -> None:
         """Start a new step now; from then on only calls to ``step()`` start steps
@@ -717,234 +481,4 @@ def track(model: nn.Module | None = None) -> Tracker:
     """
     return Tracker(model)
 
-
-def gather(report: RankReport) -> list[RankReport] | None:
-    """Collect every rank's report on rank 0 (a collective); ``None`` elsewhere.
-
-    Call it on every rank. Without an initialized process group it returns ``[report]``.
-    """
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return [report]
-    dicts = _gather_json(report.to_dict())
-    return None if dicts is None else [RankReport.from_dict(d) for d in dicts]
-
-
-def _gather_json(obj: Any, dst: int = 0) -> list[Any] | None:
-    """Gather a JSON-serializable ``obj`` from every rank onto rank ``dst`` (a collective).
-
-    Returns the decoded objects by rank on ``dst`` and ``None`` elsewhere; without an
-    initialized process group, ``[obj]`` (JSON round-tripped, as on the collective path).
-    """
-    # Note [Gather without numpy]: dist.gather_object pickles into a tensor and reads
-    # it back with tensor.numpy(), which fails with "Numpy is not available" when numpy
-    # is not installed (torch does not depend on it). Here the payload is JSON bytes in
-    # a uint8 tensor (torch.frombuffer / tolist need no numpy): all_gather the sizes,
-    # then gather the bytes padded to the longest (gloo and nccl both support gather).
-    payload = json.dumps(obj).encode()
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return [json.loads(payload)]
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size)
-    lengths = [int(s.item()) for s in sizes]
-    padded = torch.zeros(max(lengths), dtype=torch.uint8)
-    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    padded = padded.to(device)
-    out = [torch.empty_like(padded) for _ in range(world)] if rank == dst else None
-    dist.gather(padded, out, dst=dst)
-    if out is None:
-        return None
-    return [json.loads(bytes(t[:n].cpu().tolist())) for t, n in zip(out, lengths)]
-
-
-def save_run(reports: list[RankReport] | None, path: str) -> None:
-    """Write ``{"schema_version": ..., "ranks": [...]}`` to ``path``.
-
-    ``reports`` is what :func:`gather` returned: on the ranks where that is ``None``
-    (every rank but rank 0) nothing is written, so every rank can make the same call.
-    """
-    if reports is None:
-        return
-    with open(path, "w") as f:
-        json.dump({"schema_version": SCHEMA_VERSION, "ranks": [r.to_dict() for r in reports]}, f, indent=1)
-
-
-def load_run(path: str) -> list[RankReport]:
-    """Read a file written by :func:`save_run`.
-
-    Raises OSError if it cannot be read and ValueError (one line naming the file and
-    what is wrong) if it is not a valid run file. Files that are valid but look
-    inconsistent (duplicate or out-of-range ranks, mixed world sizes, no ranks) load,
-    with a :class:`UserWarning` per problem (see :func:`run_warnings`).
-    """
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, too deep
-        raise ValueError(f"{path} is not JSON ({e}); expected a file written by ac2_dist.memory.save_run") from None
-    if not isinstance(data, dict) or not isinstance(data.get("ranks"), list):
-        raise ValueError(
-            f"{path} is not a run file: expected an object {{\"schema_version\": {SCHEMA_VERSION}, "
-            f"\"ranks\": [...]}}, got {_describe(data)}"
-        )
-    if data.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(
-            f"{path} has schema_version {data.get('schema_version')!r}, expected {SCHEMA_VERSION}; "
-            "read it with the ac2_dist version that wrote it"
-        )
-    reports = []
-    for i, entry in enumerate(data["ranks"]):
-        try:
-            reports.append(RankReport.from_dict(entry))
-        except ValueError as e:
-            raise ValueError(f"{path}: ranks[{i}]: {e}") from None
-    for problem in run_warnings(reports):
-        warnings.warn(f"{path}: {problem}", UserWarning, stacklevel=2)
-    return reports
-
-
-def run_warnings(reports: list[RankReport]) -> list[str]:
-    """Inconsistencies in a set of rank reports that still render (one line each):
-    no reports, mixed world sizes, ranks outside ``[0, world_size)``, duplicate ranks."""
-    if not reports:
-        return ["no rank reports"]
-    problems = []
-    sizes = sorted({r.world_size for r in reports})
-    if len(sizes) > 1:
-        problems.append(f"mixed world sizes {sizes} (reports from different jobs?)")
-    outside = sorted({r.rank for r in reports if r.rank >= r.world_size})
-    if outside:
-        problems.append(f"rank(s) {outside} not below world_size ({', '.join(map(str, sizes))})")
-    counts = Counter(r.rank for r in reports)
-    dup = sorted(rank for rank, n in counts.items() if n > 1)
-    if dup:
-        problems.append(f"duplicate rank(s) {dup}")
-    return problems
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-_ROWS = [
-    ("peak forward", "peak_bytes_forward", _human_bytes),
-    ("peak backward", "peak_bytes_backward", _human_bytes),
-    ("live after forward", "live_bytes_after_forward", _human_bytes),
-    ("saved after forward", "saved_bytes", _human_bytes),
-    *[(f"  saved: {reason}", f"saved_bytes_by_reason.{reason}", _human_bytes) for reason in REASONS],
-    ("saved in host memory", "saved_host_bytes", _human_bytes),
-    ("recomputed ops", "recomputed_ops", lambda v: f"{v:.0f}"),
-    ("recomputed", "recomputed_bytes", _human_bytes),
-    ("replay time", "replay_seconds", lambda v: f"{v * 1e3:.1f} ms"),
-    ("collectives not replayed", "collectives_not_replayed", lambda v: f"{v:.0f}"),
-    ("all-gathers in backward", "allgathers_backward", lambda v: f"{v:.0f}"),
-]
-
-
-def _value(r: RankReport, key: str) -> float:
-    if "." in key:
-        a, b = key.split(".")
-        return getattr(r, a).get(b, 0)
-    return getattr(r, key)
-
-
-def format_table(reports: list[RankReport] | None) -> str:
-    """A rank x metric table with min / max / imbalance (max / mean) columns."""
-    if not reports:
-        return "(no reports)"
-    reports = sorted(reports, key=lambda r: r.rank)
-    header = ["metric"] + [f"rank {r.rank}" for r in reports] + ["min", "max", "imbalance"]
-    rows = [header]
-    for label, key, fmt in _ROWS:
-        vals = [_value(r, key) for r in reports]
-        mean = sum(vals) / len(vals)
-        imbalance = f"{max(vals) / mean:.2f}x" if mean else "-"
-        rows.append([label] + [fmt(v) for v in vals] + [fmt(min(vals)), fmt(max(vals)), imbalance])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = []
-    for k, row in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    modules = sorted({fqn for r in reports for fqn in r.per_module})
-    if modules:
-        lines.append("")
-        lines.append("per module (saved / recomputed), by rank:")
-        for fqn in modules:
-            cells = []
-            for r in reports:
-                m = r.per_module.get(fqn, {})
-                cell = f"{_human_bytes(m.get('saved_bytes', 0))} / {_human_bytes(m.get('recomputed_bytes', 0))}"
-                if m.get("saved_host_bytes"):  # offloaded values kept in host memory
-                    cell += f" (+{_human_bytes(m['saved_host_bytes'])} in host memory)"
-                if "budget_bytes" in m:  # an ac2_dist.MemoryBudget plan
-                    cell += (f" (budget {_human_bytes(m['budget_bytes'])}, plan saves "
-                             f"{_human_bytes(m['plan_saved_bytes'])}, est. recompute "
-                             f"{m['plan_recompute_us'] / 1e3:.2f} ms)")
-                if "peak_target_bytes" in m:  # a MemoryBudget(peak=...): the step's figures
-                    cell += (f" [step peak target {_human_bytes(m['peak_target_bytes'])}, predicted "
-                             f"{_human_bytes(m.get('peak_predicted_bytes', 0)) if 'peak_predicted_bytes' in m else '-'}"
-                             f", measured {_human_bytes(m['peak_measured_bytes']) if 'peak_measured_bytes' in m else '-'}]")
-                cells.append(cell)
-            lines.append(f"  {fqn or '(region)'}: " + " | ".join(cells))
-    return "\n".join(lines)
-
-
-def plot(reports: list[RankReport], path: str | os.PathLike[str]) -> None:
-    """Write a PNG: per-rank bars of saved / recomputed / peak, and a per-module breakdown.
-
-    Needs matplotlib (``pip install 'ac2-dist[plot]'``). Raises ValueError unless ``path``
-    ends in ``.png``, ImportError without matplotlib, OSError if ``path`` cannot be written.
-    """
-    if not os.fspath(path).lower().endswith(".png"):
-        raise ValueError(f"ac2_dist.memory.plot writes PNG files: give a path ending in .png, got {path!r}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ImportError("ac2_dist.memory.plot needs matplotlib: pip install 'ac2-dist[plot]'") from e
-    reports = sorted(reports, key=lambda r: r.rank)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    mib = 1 / 2**20
-    series = [
-        ("saved after forward", [r.saved_bytes * mib for r in reports]),
-        ("recomputed", [r.recomputed_bytes * mib for r in reports]),
-        ("peak forward", [r.peak_bytes_forward * mib for r in reports]),
-        ("peak backward", [r.peak_bytes_backward * mib for r in reports]),
-    ]
-    width = 0.8 / len(series)
-    for k, (label, vals) in enumerate(series):
-        ax1.bar([r.rank + k * width for r in reports], vals, width, label=label)
-    ax1.set_xticks([r.rank + 0.4 - width / 2 for r in reports], [f"rank {r.rank}" for r in reports])
-    ax1.set_ylabel("MiB")
-    ax1.set_title("per rank")
-    ax1.legend()
-    modules = sorted({fqn for r in reports for fqn in r.per_module})
-    if modules:
-        for k, r in enumerate(reports):
-            ax2.barh([i + k * 0.8 / len(reports) for i in range(len(modules))],
-                     [r.per_module.get(m, {}).get("saved_bytes", 0) * mib for m in modules],
-                     0.8 / len(reports), label=f"rank {r.rank} saved")
-        ax2.set_yticks(range(len(modules)), [m or "(region)" for m in modules])
-        ax2.set_xlabel("MiB saved after forward")
-        ax2.set_title("per module")
-        ax2.legend()
-    else:
-        ax2.axis("off")
-    try:
-        fig.tight_layout()
-        fig.savefig(path, dpi=100, format="png")
-    finally:
-        plt.close(fig)
 

@@ -232,7 +232,7 @@ class InlineExecutor:
     """Runs replays on the calling thread, in stream order (CPU, or when disabled)."""
 
     #: A value that exists needs no executor: the graph hands it over itself (Note
-    #: [Unpacking a value that exists] in _graph.py). Not on a side stream.
+    #: [Unpacking a value that exists] in _graph_backward.py). Not on a side stream.
     takes_existing = True
     #: Called with every saved value a replay or an unpack reads, or None: on the
     #: calling stream there is nothing to guard (Note [Tensors that cross streams]).

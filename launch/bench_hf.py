@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_core import measure_memory, ratio_stats, step, timed_rounds, write_json  # noqa: E402
+from bench_common import measure_memory, ratio_stats, step, timed_rounds, write_json  # noqa: E402
 
 import ac2_dist as ac  # noqa: E402
 

@@ -17,7 +17,7 @@ from models import GPTBlock, GPTStack, Llama, LlamaBlock
 from torch.utils.flop_counter import FlopCounterMode
 
 import ac2_dist as ac
-from ac2_dist._peak import parse_size
+from ac2_dist._sizes import parse_size
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # of the way from the floor's peak to no-AC's
 STEPS = 5

@@ -1,0 +1,96 @@
+"""The model a ``MemoryBudget(peak=N)`` plans with: a step's peak predicted from its
+measured segment bases and each block's bytes above its floor, and :func:`_solve`,
+which picks one option per block within the target. Moved verbatim from _peak.py (the
+planner there measures the bases and calls :func:`_solve`).
+
+Note [The peak model]
+    The first step runs every block at the floor (``"recompute_all"``: a calibration
+    that holds nothing, Note [A calibration keeps what its plan saves] in _budget_region.py does
+    not apply) and is measured from the allocator (on CPU its events: Note [One trace,
+    two readers] in _alloc.py; on CUDA its memory history and counters: Note [Measuring
+    a CUDA step without a profiler] in _alloc_history.py), with plan marks where block k's region enters (``fwd:k``) and where its
+    graph is first unpacked or prefetched (``bwd:k``: its backward begins). Each mark
+    opens a *segment* that runs to the next mark; its measured peak above the step's
+    start is that segment's *base*. A plan that saves ``dk_j`` bytes above block j's
+    floor (``M_j(S_j) - M_j(floor)``, Note [What a budget bounds] in budget.py) adds
+    ``dk_j`` to every segment in which those values are alive, so
+
+        predicted(S) = max over segments s of  base_s + sum(dk_j for j in alive(s))
+
+    with ``alive(fwd:k) = alive(bwd:k) = {0..k}``: block k's own saves count in its
+    forward (they accumulate there) and in its backward (the floor recomputes its
+    values lazily, one chain per unpack, so at its backward's start the floor holds
+    fewer of them than a plan that saved them). Blocks later in the forward are alive
+    in fewer segments; the last block's saves are alive only in its own forward and
+    backward and in what runs between them (the head, the loss, its backward): saving
+    there costs the least peak. The bases hold everything that does not depend on the
+    plan (parameters, gradients, FSDP buffers and prefetches, the loss), measured, not
+    modelled. Block j's options are the Pareto frontier of (``dk``, estimated recompute
+    seconds) of its structure (:meth:`_Problem.frontier`, Note [Cost model] in
+    _block_problem.py); :func:`_solve` picks one option per block minimizing the summed cost
+    subject to every segment's prediction <= N: a dynamic program over the blocks in
+    forward order, whose state is the running sum of ``dk`` (the constraints are prefix
+    sums, so the state is all they need; bytes are rounded up to 1/4096 of the target).
+    Blocks are identified by module fqn; anonymous regions (a drop-in ``checkpoint(fn)``
+    call, fqn ``""``) by their position among the step's anonymous calls.
+
+    Where the model errs, it errs high: a saved output that is also kept anyway (a
+    block's output is the next block's input) is counted in ``dk``; block k's own saves
+    do not all add at its backward's peak; under FSDP, step 1 also holds one-time
+    buffers (lazy initialization). So the first plan measures below its prediction
+    (0.69-0.83 of the target in the tests) and the correction step uses the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ._block_problem import _Option
+
+__all__: list[str] = []
+
+_GRID = 4096  # the DP rounds bytes up to target / _GRID
+
+
+def _solve(options: list[list[_Option]], bases: dict[str, int], target: int) -> tuple[int, ...] | None:
+    """One option per block, least summed cost, every segment's prediction
+    ``base_s + sum(dk_j, j <= k)`` <= ``target`` (Note [The peak model]); ``None`` if
+    even the options with the fewest bytes do not fit."""
+    n = len(options)
+    caps = []
+    for k in range(n):
+        here = [bases[s] for s in (f"fwd:{k}", f"bwd:{k}") if s in bases]
+        caps.append(target - max(here) if here else math.inf)
+    q = max(1, math.ceil(max(target, 1) / _GRID))
+    # state: rounded prefix sum -> (cost, flops, choices as a linked list)
+    states: dict[int, tuple[float, int, Any]] = {0: (0.0, 0, None)}
+    for k, opts in enumerate(options):
+        cap = caps[k] / q
+        nxt: dict[int, tuple[float, int, Any]] = {}
+        for s, (cost, flops, back) in states.items():
+            for i, o in enumerate(opts):
+                s2 = s + -(-o.dk // q)
+                if s2 > cap:
+                    break  # options are sorted by dk
+                key = (cost + o.seconds, flops + o.flops)
+                cur = nxt.get(s2)
+                if cur is None or key < cur[:2]:
+                    nxt[s2] = (key[0], key[1], (i, back))
+        if not nxt:
+            return None
+        # Keep the Pareto states: a larger sum only if cheaper (a smaller sum meets
+        # every later constraint that a larger one meets).
+        states = {}
+        best = math.inf
+        for s in sorted(nxt):
+            c = nxt[s]
+            if c[0] < best - 1e-15:
+                states[s] = c
+                best = c[0]
+    _, _, back = min(states.values(), key=lambda c: (c[0], c[1]))
+    picked = []
+    while back is not None:
+        picked.append(back[0])
+        back = back[1]
+    return tuple(reversed(picked))
