@@ -221,7 +221,7 @@ class CompiledPolicy:
                 raise RuntimeError(
                     f"ac2_dist: the policy returned MUST_RECOMPUTE for {op}, which is a "
                     f"{'random' if info.is_rng else info.side_effect.value} op and is never "
-                    "recomputed (CONTRACT §3). Return a save or PREFER_* policy for it."
+                    "recomputed: its output is kept from forward. Return a save or PREFER_* policy for it."
                 )
             if info.is_rng and info.written and _real(args):  # Note [Random writes in the dynamo fallback]
                 return _CP.PREFER_RECOMPUTE
