@@ -167,10 +167,10 @@ class _CompilerFlag:
         return torch.compiler.is_compiling()
 
 
+# See Note [Dynamo inside a region] in _tracer.py.
 #: ``COMPILER_STATE._is_compiling_flag`` is what :func:`is_compiling` returns in a frame
 #: dynamo does not trace (``torch.jit.is_scripting()`` is False there), read as an
-#: attribute: the tracer's check per op (Note [Dynamo inside a region] in _tracer.py)
-#: costs no Python call.
+#: attribute: the tracer's check per op costs no Python call.
 COMPILER_STATE: Any = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CompilerFlag()
 
 
