@@ -49,8 +49,9 @@ def _rank() -> int:
 
 class MemoryBudget:
     """A policy that saves, per region, the op outputs that minimize recompute cost
-    within a memory budget (what the budget bounds: the module docstring of
-    :mod:`ac2_dist.budget`).
+    within a memory budget: the bytes of op outputs a region keeps for backward
+    (side-effect outputs included, its inputs and parameters not), counted above what
+    ``"recompute_all"`` keeps.
 
     Args:
         fraction: of the way from ``"recompute_all"`` (0) to ``"must_save_all"`` (1),
@@ -155,8 +156,9 @@ class MemoryBudget:
             raise ValueError(f"ac2_dist.MemoryBudget: the {name} callable raised for rank {rank}: {e!r}") from e
 
     def budget_bytes(self, floor: int, top: int) -> int:
-        """The byte limit of a region whose floor and top are known (see the module
-        docstring: ``floor + fraction * (top - floor)``, or ``floor + bytes``)."""
+        """The byte limit of a region whose floor (``"recompute_all"``) and top
+        (``"must_save_all"``) are known: ``floor + fraction * (top - floor)``, or
+        ``floor + bytes``."""
         # See Note [What a budget bounds] above.
         kind, value = self._resolve()
         if kind == "fraction":
