@@ -92,9 +92,10 @@ class AllocationTrace:
     last segment of that name. Events before the first mark belong to no segment.
     ``whole`` covers the window.
     Figures count the blocks allocated while the trace runs: 0 at its start, and frees
-    of blocks allocated before it are not counted (Note [Frees of blocks from before
-    the trace]).
+    of blocks allocated before it are not counted.
     """
+
+    # See Note [Frees of blocks from before the trace].
 
     device_type: str = "cpu"
     #: op names whose calls are recorded (time_ns, name) in ``calls`` (e.g. all-gathers)
@@ -107,10 +108,11 @@ class AllocationTrace:
     whole: Phase = field(default_factory=Phase)
     #: (time_ns, name) of the planner's marks (``plan_mark``), in time order
     plan_marks: list[tuple[int, str]] = field(default_factory=list)
-    #: called with the trace once it has been summarized (Note [One trace, two readers])
+    # See Note [One trace, two readers] (on_exit, preempt).
+    #: called with the trace once it has been summarized
     on_exit: list[Callable[[AllocationTrace], None]] = field(default_factory=list)
     #: set on a planner's own trace: a trace that starts while it runs stops it first
-    #: (and it stops quietly at exit) (Note [One trace, two readers])
+    #: (and it stops quietly at exit)
     preempt: Callable[[], None] | None = None
     _prof: Any = None
 
@@ -167,8 +169,9 @@ class AllocationTrace:
 
     @staticmethod
     def plan_mark(name: str) -> None:
-        """A mark that splits no phase: read back in ``plan_marks`` (Note [One trace,
-        two readers]). Static: it goes to whichever trace is running."""
+        """A mark that splits no phase: read back in ``plan_marks``. Static: it goes to
+        whichever trace is running."""
+        # See Note [One trace, two readers].
         _instant(_PLAN_PREFIX + name)
 
     def _unregister(self) -> None:

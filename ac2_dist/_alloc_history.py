@@ -98,9 +98,11 @@ def _rounded(nbytes: int) -> int:
 
 
 class AllocatorHistory:
-    """Measures one step on one CUDA device (Note [Measuring a CUDA step without a
-    profiler]); the planner's interface of an allocation trace: ``plan_mark``,
+    """Measures one step on one CUDA device, from the caching allocator's history (no
+    profiler); the planner's interface of an allocation trace: ``plan_mark``,
     ``spans``, ``on_exit`` listeners, and ``__enter__``/``__exit__``."""
+
+    # See Note [Measuring a CUDA step without a profiler].
 
     preempt: Callable[[], None] | None = None  # another meter never stops this one
 

@@ -112,7 +112,8 @@ _FLOP_ALIASES = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: torch.ops.aten._scaled_dot_product_flash_attention,
 }
 
-#: FLOP/s and bytes/s per device type (Note [Cost model]). CPU: measured on the
+# See Note [Cost model].
+#: FLOP/s and bytes/s per device type. CPU: measured on the
 #: development machine (2 cores, fp32: 2.2-2.5e11 FLOP/s for a 256^3 matmul, 4.9-6.1e10 B/s
 #: for an elementwise add); CUDA: an H100's dense fp32 rate and HBM bandwidth, rounded.
 _NOMINAL_RATES = {"cpu": (2.0e11, 5.0e10), "cuda": (5.0e13, 3.0e12)}

@@ -58,8 +58,8 @@ def module_cuda_device(module: nn.Module) -> torch.device | None:
 
 def cuda_device_of(*trees: Any, module: nn.Module | None = None) -> torch.device | None:
     """The CUDA device of the first CUDA tensor among ``trees`` (pytrees of call
-    arguments) and ``module``'s parameters and buffers; ``None`` if there is none
-    (Note [The device comes from the tensors])."""
+    arguments) and ``module``'s parameters and buffers; ``None`` if there is none."""
+    # See Note [The device comes from the tensors].
     found = _first_cuda(torch.utils._pytree.tree_leaves(trees))
     if found is None and module is not None:
         found = module_cuda_device(module)

@@ -1,4 +1,4 @@
-"""A drop-in for ``torch.utils.checkpoint.checkpoint`` / ``checkpoint_sequential`` (CONTRACT §9).
+"""A drop-in for ``torch.utils.checkpoint.checkpoint`` / ``checkpoint_sequential``.
 
 Same signature, ac2 semantics: the function runs once, inside an ac2 region, and
 backward replays only the recorded ops it needs (never the Python function, never a
@@ -273,8 +273,10 @@ def user_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
 
 def check_flags(who: str, determinism_check: Any, debug: Any, early_stop: Any, preserve_rng_state: Any,
                 respect_saved_tensors_hooks: Any) -> None:
-    """torch's checks of its checkpoint flags (ac2 has nothing to do for them; Note
-    [torch's checkpoint arguments in ac2]); errors name ``who`` was called."""
+    """torch's checks of its checkpoint flags (ac2 has nothing to do for them: it
+    replays the recorded ops, so a recompute cannot differ from forward); errors name
+    ``who`` was called."""
+    # See Note [torch's checkpoint arguments in ac2].
     if determinism_check not in _DETERMINISM:
         raise ValueError(f"{who}: determinism_check should be one of {list(_DETERMINISM)}, but got {determinism_check!r}")
     for name, flag in (("debug", debug), ("early_stop", early_stop), ("preserve_rng_state", preserve_rng_state)):
@@ -320,7 +322,7 @@ def _checkpoint(
         raise RuntimeError(
             "ac2_dist.checkpoint(respect_saved_tensors_hooks=True) inside saved-tensor hooks (e.g. "
             f"torch.autograd.graph.save_on_cpu: {user_hooks[0]!r}): ac2 keeps the values a "
-            "region saves itself, outside those hooks (Note [torch's checkpoint arguments in ac2]). Pass "
+            "region saves itself, outside those hooks, so it cannot route them through them. Pass "
             "respect_saved_tensors_hooks=False (torch's legacy behaviour), or offload with an ac2 policy "
             "(CheckpointPolicy.MUST_CPU_OFFLOAD / ac2_dist.Offload) instead of the hooks"
         )
@@ -353,10 +355,11 @@ def _with_context_fn(function, args, kwargs, context_fn, rng, allow_mutation) ->
 @contextlib.contextmanager
 def eager_scope(context_fn: Any, policy: Any, policy_factory: Any, rng: str, allow_mutation: bool,
                 where: str = "checkpoint") -> Iterator[None]:
-    """An eager ac2 region for one checkpoint call, as torch's arguments describe it
-    (Note [torch's checkpoint arguments in ac2]): a selective-checkpoint ``context_fn``
-    gives the region its policy (``policy``/``policy_factory`` are then ignored), any
-    other one's forward context is entered inside the region."""
+    """An eager ac2 region for one checkpoint call, as torch's arguments describe it:
+    a selective-checkpoint ``context_fn`` gives the region its policy
+    (``policy``/``policy_factory`` are then ignored), any other one's forward context is
+    entered inside the region (its recompute context is never used)."""
+    # See Note [torch's checkpoint arguments in ac2].
     forward_ctx = None
     if context_fn is not None and context_fn is not noop_context_fn:
         pair = context_fn()

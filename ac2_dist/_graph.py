@@ -258,10 +258,10 @@ class Graph(_GraphBackward):
     def new_node(
         self, op: Any, nout: int, fqn: str = "", inputs: tuple = (), args: tuple = (), fresh: Any = None,
     ) -> Node:
-        """A node whose outputs get the next ``nout`` use counters (Note [Use counts live
-        in one array]); ``inputs`` and ``args`` as the tracer recorded them, if known yet.
-        ``fresh``: the new tensor a plain op returned, mapped to output 0 here (Note [The
-        plain-op path] in _tracer.py)."""
+        """A node whose outputs get the next ``nout`` use counters (in the graph's one
+        array of counters); ``inputs`` and ``args`` as the tracer recorded them, if known
+        yet. ``fresh``: the new tensor a plain op returned, mapped to output 0 here."""
+        # Note [Use counts live in one array]; ``fresh``: Note [The plain-op path] in _tracer.py.
         seq = self.seq
         end = self.seq = seq + nout
         if end > self.capacity:
@@ -309,7 +309,8 @@ class Graph(_GraphBackward):
 
     def close_map(self) -> None:
         """Forward ended: drop the tensor map (its entries keep nodes alive) and the
-        random ops no replay will pass (Note [Chains end at their last needed op])."""
+        random ops no replay will pass (those at the end of a chain that nothing reads)."""
+        # See Note [Chains end at their last needed op] (below).
         self.map = self._entries = self.held = None
         self.open_chains = {}
         if self.rng_chains:
@@ -359,8 +360,8 @@ class Graph(_GraphBackward):
     ) -> Node:
         """A saved node holding ``t`` (a region input or a new version; ``version``:
         the version ``t`` will have once the op writing it returns). ``made_here``: the
-        region computed ``t``; it is held as a detached alias, not as itself (Note
-        [Writes inside a region] in _writes.py, 3)."""
+        region computed ``t``; it is held as a detached alias, not as itself."""
+        # See Note [Writes inside a region] in _writes.py, 3.
         node = self.new_node(None, 1, self.frames[-1].module_fqn if self.frames else "")
         version = version_of(t) if version is None else version
         saved = Saved(
@@ -375,8 +376,8 @@ class Graph(_GraphBackward):
         return node
 
     def literal_leaf(self, t: torch.Tensor, fqn: str) -> Node:
-        """A leaf remembering the small literal ``t`` by value (Note [Writes inside a
-        region] in _writes.py)."""
+        """A leaf remembering the small literal ``t`` by value."""
+        # See Note [Writes inside a region] in _writes.py.
         node = self.new_node(None, 1, fqn)
         node.set_saved(0, Literal(t))
         self.map.set(t, node, 0, version_of(t))  # a write through a view makes it stale
@@ -384,8 +385,8 @@ class Graph(_GraphBackward):
 
     def ref(self, t: torch.Tensor, allow_mutation: bool) -> tuple[Node, int]:
         """The node output that ``t`` currently is: a new leaf if it is unknown; if it
-        is stale (written since), a view re-made from its base, else a new leaf (Note
-        [Writes inside a region] in _writes.py)."""
+        is stale (written since), a view re-made from its base, else a new leaf."""
+        # See Note [Writes inside a region] in _writes.py.
         e = self.map.get(t)
         if e is not None and (e.version is None or e.version == t._version):
             return e.node, e.idx
@@ -409,7 +410,8 @@ class Graph(_GraphBackward):
         self._save_in_place(node, idx, t, decision, "tagged", allow_mutation)
 
     def boundary(self, t: torch.Tensor) -> None:
-        """Save ``t`` as a region boundary (Note [FSDP units are region boundaries])."""
+        """Save ``t`` as a region boundary (an FSDP unit's input or output)."""
+        # See Note [FSDP units are region boundaries] in fsdp.py.
         e = self.map.get(t)
         if e is None or (e.version is not None and e.version != t._version):
             return  # unknown here: a region input, already a saved leaf
@@ -419,7 +421,9 @@ class Graph(_GraphBackward):
         self._save_in_place(node, idx, t, _CP.MUST_SAVE, "boundary", False)
 
     def cut(self, t: torch.Tensor) -> None:
-        """Make ``t``'s node a cut node (Note [Nested modules cut the replay])."""
+        """Make ``t``'s node a cut node: a replay stops there and takes the value the
+        nested module's own replay produces."""
+        # See Note [Nested modules cut the replay].
         e = self.map.get(t)
         if e is None or (e.version is not None and e.version != t._version):
             return

@@ -54,8 +54,9 @@ class _GraphBackward(Replayer):
 
     # ---- backward side ------------------------------------------------------------
     def settle(self) -> None:
-        """Arm every live handle once per save (Note [Arming waits for backward]); the
+        """Arm every live handle once per save (at the first unpack of a backward); the
         caller holds the lock."""
+        # See Note [Arming waits for backward].
         if self.settled:
             return
         self.settled = True
@@ -68,9 +69,11 @@ class _GraphBackward(Replayer):
                     uses[h.node.seq + h.idx] += h.count - 1
 
     def arm(self, node: Node, idx: int) -> None:
-        """Add one pending use of ``node[idx]`` (Note [Use counts free recomputed values
-        as soon as consumed]); saved values count their uses too (Note [Saved values
-        die at their last use])."""
+        """Add one pending use of ``node[idx]``, scheduling the replay of what it needs
+        if it has no value yet; saved values count their uses too, and each value is
+        freed at its last use."""
+        # See Note [Use counts free recomputed values as soon as consumed] and Note [Saved
+        # values die at their last use].
         uses = self.uses
         uses[node.seq + idx] += 1
         if node.scheduled or node.saved is not None and node.saved[idx] is not None:
@@ -261,30 +264,30 @@ class _GraphBackward(Replayer):
             return self.take(node, idx)
         return _MISSING
 
+    # Note [Deterministic prefetch order]
+    #     Realizing handles may unshard FSDP units (a collective), so every walk that
+    #     can replay goes in an order fixed by pack order (the program's order, the
+    #     same on every rank; the prefetch walks it backwards): a WeakSet's iteration
+    #     order follows memory addresses and differs between ranks.
+    #
+    # Note [Handles are weakly listed]
+    #     The graph keeps a plain weak reference to each handle, appended at pack time
+    #     (already in pack order), with no callback; a dead handle's reference stays
+    #     in the list (walks skip it). Cheaper per saved tensor than a WeakSet (no set
+    #     entry, no callback when autograd frees the handle in backward), and handles
+    #     are walked only by prefetches, by a retained graph's next backward and by
+    #     reports. The list is never reordered or shortened, so a handle's position
+    #     is its pack order and ``packed`` is the list's length: a handle carries no
+    #     sequence number of its own.
+
     def live_handles(self) -> list[Handle]:
-        """Live handles in pack order.
-
-        Note [Deterministic prefetch order]
-            Realizing handles may unshard FSDP units (a collective), so every walk that
-            can replay goes in an order fixed by pack order (the program's order, the
-            same on every rank; the prefetch walks it backwards): a WeakSet's iteration
-            order follows memory addresses and differs between ranks.
-
-        Note [Handles are weakly listed]
-            The graph keeps a plain weak reference to each handle, appended at pack time
-            (already in pack order), with no callback; a dead handle's reference stays
-            in the list (walks skip it). Cheaper per saved tensor than a WeakSet (no set
-            entry, no callback when autograd frees the handle in backward), and handles
-            are walked only by prefetches, by a retained graph's next backward and by
-            reports. The list is never reordered or shortened, so a handle's position
-            is its pack order and ``packed`` is the list's length: a handle carries no
-            sequence number of its own.
-        """
+        """Live handles in pack order (the program's order, the same on every rank)."""
         return self.handles_since(0)
 
     @property
     def packed(self) -> int:
-        """Handles created so far (Note [Handles are weakly listed])."""
+        """Handles created so far (live or not: the position of the next one)."""
+        # See Note [Handles are weakly listed] (above).
         return len(self._handle_refs)
 
     def handles_since(self, first: int) -> list[Handle]:
@@ -295,17 +298,19 @@ class _GraphBackward(Replayer):
 
     def prefetch(self) -> int:
         """Realize every handle not yet consumed in this backward and park the value
-        on it (Note [Prefetching the next unit's replay]). Returns how many.
+        on it. Returns how many.
 
         Handles are walked in reverse pack order: the order autograd unpacks a chain
         of layers in, so that the private replays of nested modules run as often as
         without prefetch (in pack order a layer's output was needed again after its
-        readers had dropped it: recomputed once more per layer). Deterministic, as
-        Note [Deterministic prefetch order] asks; any order is correct (Note [A
-        private replay holds what it reads] in _replayer.py).
+        readers had dropped it: recomputed once more per layer). The order is the same
+        on every rank; any order is correct.
 
-        A graph with nested checkpointed modules (cut nodes) is not prefetched: Note
-        [Prefetch stops at nested modules]."""
+        A graph with nested checkpointed modules (cut nodes) is not prefetched."""
+        # See Note [Prefetching the next unit's replay] in replay.py; the order: Note
+        # [Deterministic prefetch order] (above), Note [A private replay holds what it
+        # reads] in _replayer.py; cut nodes: Note [Prefetch stops at nested modules] in
+        # _graph.py.
         if self.has_cuts:
             return 0
         task = torch._C._current_graph_task_id()

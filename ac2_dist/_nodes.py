@@ -119,7 +119,8 @@ class Saved:
 
     def snapshot(self) -> None:
         """Keep a private copy: the referenced tensor is about to be written in place
-        while replays still need its current value (Note [Versions of written tensors])."""
+        while replays still need its current value."""
+        # See Note [Versions of written tensors] in _tracer.py.
         if self.offloaded:  # Note [Offloaded values that are written] (offload.py)
             self.value.before_write()
             return
@@ -324,15 +325,16 @@ def input_refs(node: Node) -> Iterator[tuple[Any, Node, int]]:
 
 
 def producers(node: Node) -> Iterator[tuple[Node, int]]:
-    """``(producer, output index)`` of each tensor argument of ``node``
-    (Note [Node inputs are one flat tuple])."""
+    """``(producer, output index)`` of each tensor argument of ``node``."""
+    # See Note [Node inputs are one flat tuple] (input_refs).
     inp = node.inputs
     return zip(inp[1::3], inp[2::3])
 
 
 class RngChain:
-    """The random ops of a region on one generator, replayed in forward order
-    (Note [One generator state per region])."""
+    """The random ops of a region on one generator, replayed in forward order."""
+
+    # See Note [One generator state per region] in _graph.py.
 
     __slots__ = ("generator", "index", "start", "state", "cursor", "nodes")
 

@@ -522,7 +522,9 @@ class PeakPlanner:
 
     # ---- planning -----------------------------------------------------------------------
     def options(self, signature: tuple) -> list[_Option]:
-        """The Pareto frontier of a block structure's saved sets (Note [The peak model] in _peak_model.py)."""
+        """The Pareto frontier of a block structure's saved sets: the choices where no other
+        saves less memory at no more recompute cost."""
+        # See Note [The peak model] in _peak_model.py.
         opts = self._options.get(signature)
         if opts is None:
             opts = self._options[signature] = self.problems[signature].frontier()

@@ -150,7 +150,8 @@ def op_name(op: Any) -> str:
 
 
 def op_from_name(name: str) -> Any:
-    """Inverse of :func:`op_name` (Note [Policies pickle by op name])."""
+    """Inverse of :func:`op_name`."""
+    # See Note [Policies pickle by op name].
     ns, _, rest = name.partition("::")
     if ns == "higher_order":
         return getattr(torch.ops.higher_order, rest)
@@ -290,7 +291,7 @@ def _restore_frame(const, table, fn, name, rng, allow_mutation, module_fqn, per_
 
 
 def resolve(frames: list[_Frame], ctx: PolicyContext, op: Any, args: tuple, kwargs: dict) -> Decision:
-    """Combine the policies of nested regions, outermost first (CONTRACT §2).
+    """Combine the policies of nested regions, outermost first.
 
     Start at PREFER_SAVE; each frame's decision replaces the current one unless the
     current one is a MUST_* (then a PREFER_* is ignored, the same MUST_* agrees, and
@@ -361,7 +362,8 @@ class PolicySource:
             raise ValueError(f"ac2_dist: rng must be 'save' or 'replay', got {rng!r}")
 
     def new_frame(self) -> _Frame:
-        """The frame for one region entry (Note [Policy factories])."""
+        """The frame for one region entry (a factory's policy is made afresh)."""
+        # See Note [Policy factories] (above).
         if self.frame is not None:
             return self.frame
         factory = self.factory

@@ -382,7 +382,8 @@ def apply_ac_policy_fn(
 def function_region(fn: Callable[..., T], args: tuple, kwargs: dict, policy: Any, policy_factory: Any,
                     rng: str, allow_mutation: bool, where: str) -> T:
     """``fn(*args, **kwargs)`` in a function region: eager, or inside ``torch.compile`` one
-    checkpointed region of the compiled graph (Note [Regions inside compiled code])."""
+    checkpointed region of the compiled graph."""
+    # See Note [Regions inside compiled code].
     if _compiling():  # the policy is built when AOTAutograd asks (compile.policy_context_fn)
         if is_region_scoped(policy):
             refuse_budget_compiled()
@@ -401,8 +402,8 @@ def eager_region(fn: Callable[..., T], source: PolicySource, args: tuple, kwargs
 
 def region_scope(source: PolicySource, device: torch.device | None = None) -> apply_ac_policy:
     """An eager function region (a fresh frame from ``source``) as a context manager;
-    ``device``: its tensors' device if known, else decided when it exits (Note [The
-    device comes from the tensors])."""
+    ``device``: its tensors' device if known, else decided when it exits."""
+    # See Note [The device comes from the tensors] in _device.py.
     return apply_ac_policy._from_frame(source.new_frame(), check_replay(None), module_region=False, device=device)
 
 

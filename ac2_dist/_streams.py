@@ -133,8 +133,8 @@ def record_stream(t: torch.Tensor, stream: Any) -> None:
         t.record_stream(stream)
 
 
-#: The backend of CUDA tensors. Its only state is the per-thread side-stream cache
-#: (Note [One side stream per device]).
+# See Note [One side stream per device].
+#: The backend of CUDA tensors. Its only state is the per-thread side-stream cache.
 CUDA = CudaStreams()
 
 
@@ -159,7 +159,8 @@ def region_streams(on_cuda: bool) -> StreamBackend | None:
 def simulate(backend: StreamBackend) -> Iterator[StreamBackend]:
     """Regions installed on this thread inside the block use ``backend`` as if they
     ran on CUDA (side-stream replays, prefetch by default, the offload schedule): the
-    seam the CPU test suite's simulated CUDA plugs into (Note [Stream backends])."""
+    seam the CPU test suite's simulated CUDA plugs into."""
+    # See Note [Stream backends].
     previous = _OVERRIDE.backend
     _OVERRIDE.backend = backend
     try:

@@ -313,7 +313,7 @@ class Tracer(_GeneralPath, TorchDispatchMode):
                 via = f" (its tensor subclass issued {hidden})" if hidden is not None else ""
                 raise RuntimeError(
                     f"ac2_dist: the policy returned MUST_RECOMPUTE for {func}, which is a "
-                    f"{side.value} op{via} and is never replayed during backward (CONTRACT §3). "
+                    f"{side.value} op{via} and is never replayed during backward: its output is kept from forward. "
                     f"Return a save or PREFER_* policy for it{hint}."
                 )
             if not save:
@@ -461,33 +461,36 @@ if C_DISPATCH is not None:
 
 def pack_hook(graph: Graph) -> Callable[[torch.Tensor], Handle]:
     """The region's saved-tensor pack hook: ``graph.pack``, or while the tracer records
-    in C the same hook with its forward cases in C (Note [The pack hook in C])."""
+    in C the same hook with its forward cases in C."""
+    # See Note [The pack hook in C].
     if C_DISPATCH is None or Tracer.__torch_dispatch__ is not C_DISPATCH:
         return graph.pack
     return _C.Pack(graph=graph, handle=Handle, entry=MapEntry, node=Node)
 
 
+# Note [A graph holds only tracked nodes]
+#     The C recorder takes its nodes off the collector's lists (Note [Plain records
+#     are not tracked by the collector] in _crecord.c). That is safe only for nodes
+#     no object the user can hold reaches through references the collector follows:
+#     a user's object that holds the region (or its graph) and that a saved tensor
+#     refers to (a parameter's attribute, a hook's closure) would otherwise make a
+#     cycle through an untracked node, one the collector cannot free. In forward the
+#     graph reaches nodes through the tensor map (the thread's region state holds the
+#     graph then: nothing is garbage); after forward only through ``rng_chains``, so
+#     at region exit every node reachable from there is tracked again. Nothing else
+#     of a graph, a region, a budget or a tracker refers to nodes after forward
+#     (test_crecord.py walks them for untracked nodes). The walk runs in C
+#     (``_crecord.track_from``, 0.16-0.33 us per recorded op measured), only for regions
+#     that recorded random ops with ``rng="replay"``; the nodes it tracks cost the
+#     collector what the Python recorder's do.
+
+
 def track_what_the_graph_holds(graph: Graph) -> None:
     """Forward ended (the tensor map is closed): the nodes the graph itself still holds,
-    the random ops' chains (Note [One generator state per region] in _graph.py), and
-    every node they reach go back on the cyclic collector's lists, with their inputs.
-
-    Note [A graph holds only tracked nodes]
-        The C recorder takes its nodes off the collector's lists (Note [Plain records
-        are not tracked by the collector] in _crecord.c). That is safe only for nodes
-        no object the user can hold reaches through references the collector follows:
-        a user's object that holds the region (or its graph) and that a saved tensor
-        refers to (a parameter's attribute, a hook's closure) would otherwise make a
-        cycle through an untracked node, one the collector cannot free. In forward the
-        graph reaches nodes through the tensor map (the thread's region state holds the
-        graph then: nothing is garbage); after forward only through ``rng_chains``, so
-        at region exit every node reachable from there is tracked again. Nothing else
-        of a graph, a region, a budget or a tracker refers to nodes after forward
-        (test_crecord.py walks them for untracked nodes). The walk runs in C
-        (``_crecord.track_from``, 0.16-0.33 us per recorded op measured), only for regions
-        that recorded random ops with ``rng="replay"``; the nodes it tracks cost the
-        collector what the Python recorder's do.
-    """
+    the random ops' chains, and every node they reach go back on the cyclic collector's
+    lists, with their inputs, so that a reference cycle through them can be freed."""
+    # See Note [A graph holds only tracked nodes] (above) and, for the chains, Note [One
+    # generator state per region] in _graph.py.
     if _C is None or not graph.rng_chains:
         return
     # nodes, their inputs tuples and rare-field dicts, and what those hold (older nodes)

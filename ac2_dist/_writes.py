@@ -167,7 +167,8 @@ class HeldStorages:
 
     def before_write(self, written: Any) -> None:
         """Copy the held values on the storages of ``written`` (tensors about to be
-        written) that a replay reads (Note [Held values are found by storage])."""
+        written) that a replay reads."""
+        # See Note [Held values are found by storage] (above).
         if self.pending:
             self._file()
         if not self._by_storage:
@@ -216,7 +217,8 @@ def _plain_strided(t: torch.Tensor) -> bool:
 def stale_view(graph: Any, t: torch.Tensor, fqn: str) -> tuple[Node, int] | None:
     """``t`` is a view whose map entry is stale (its storage was written since): record
     it as ``as_strided`` of its base's current value and return that node output, or
-    None when that is not exact (Note [Writes inside a region], 3)."""
+    None when that is not exact."""
+    # See Note [Writes inside a region], 3.
     base = t._base
     if base is None or not _plain_strided(t) or not _plain_strided(base) or t.dtype != base.dtype:
         return None
@@ -240,8 +242,10 @@ def stale_view(graph: Any, t: torch.Tensor, fqn: str) -> tuple[Node, int] | None
 
 class Literal:
     """A saved value remembered by its bytes: a small CPU tensor Python made outside the
-    dispatcher (Note [Writes inside a region]). Each read makes a new tensor with the
-    same dtype, shape and bytes. Duck-types :class:`~ac2_dist._nodes.Saved`."""
+    dispatcher. Each read makes a new tensor with the same dtype, shape and bytes.
+    Duck-types :class:`~ac2_dist._nodes.Saved`."""
+
+    # See Note [Writes inside a region].
 
     __slots__ = ("data", "dtype", "shape")
     value = hooks = device = version = counter = meta = None
@@ -285,7 +289,7 @@ def literal(func: Any, args: tuple) -> torch.Tensor | None:
 def write_aliases(written: dict[int, torch.Tensor], base: torch.Tensor | None, args: tuple, kwargs: dict,
                   positions: tuple) -> tuple[tuple, tuple] | None:
     """How a replayed write's other arguments that share the written storage are made in
-    the replay (Note [Writes inside a region], 1): ``(same, rebuilt)`` -- positions that
+    the replay: ``(same, rebuilt)`` -- positions that
     are the written tensor itself (the same tensor, or a view with its storage, offset,
     sizes, strides and dtype: passed the written tensor) and ``(position, sizes, strides,
     offset)`` of other views of the written storage (re-made by ``as_strided`` of the
@@ -293,6 +297,7 @@ def write_aliases(written: dict[int, torch.Tensor], base: torch.Tensor | None, a
     cannot be re-made exactly (then the write is a side effect). ``base``: the tensor
     whose storage the replay holds (the written tensor, or the base a view is written
     through)."""
+    # See Note [Writes inside a region], 1.
     same: tuple = ()
     rebuilt: tuple = ()
     keys = {storage_key(w) for w in written.values()}
@@ -322,7 +327,8 @@ def write_aliases(written: dict[int, torch.Tensor], base: torch.Tensor | None, a
 
 def overwritten(info: Any, written: dict[int, torch.Tensor], args: tuple, kwargs: dict) -> bool:
     """The op writes all of one tensor that is not a view, from arguments that do not
-    share its storage (Note [Writes that overwrite])."""
+    share its storage."""
+    # See Note [Writes that overwrite].
     if not info.overwrites or len(written) != 1:
         return False
     (w,) = written.values()

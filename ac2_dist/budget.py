@@ -1,20 +1,18 @@
-"""Memory-budget policy: the user names the memory, ac2 chooses what to save (CONTRACT §11).
+"""Memory-budget policy: the user names the memory, ac2 chooses what to save.
 
     ac.apply_ac(model, ac.MemoryBudget(0.5), modules=[Block])       # a fraction
     ac.apply_ac(model, ac.MemoryBudget(bytes=64 << 20), modules=[Block])
     ac.apply_ac(model, ac.MemoryBudget(lambda rank: 0.25 if rank == 0 else 0.75), modules=[Block])
-    ac.apply_ac(model, ac.MemoryBudget(peak="70GiB"), modules=[Block])  # the step's peak (_peak.py)
+    ac.apply_ac(model, ac.MemoryBudget(peak="70GiB"), modules=[Block])  # the step's peak
 
-Note [What a budget bounds]
-    Per region, with S the set of op outputs the plan saves: ``M(S)`` is the bytes of
-    the saved op outputs backward still holds after forward (outputs autograd saves,
-    and saved inputs of the ops it recomputes), side-effect outputs (collectives, saved
-    random ops, writes) included; region inputs (the block input, parameters) are not
-    counted (they are kept under every policy). The floor is ``M`` under
-    ``"recompute_all"``, the top ``M`` under ``"must_save_all"``; ``fraction=f`` keeps
-    ``M(S) <= floor + f * (top - floor)``; ``bytes=b`` keeps ``M(S) <= floor + b``.
-    0 is ``"recompute_all"``, 1 (or ``b >= top - floor``) saves every output backward
-    needs, as ``"must_save_all"`` does.
+What a budget bounds, per region (one call of a checkpointed module): the bytes of the
+op outputs backward still holds after forward, side-effect outputs (collectives, saved
+random ops, writes) included; the region's inputs (the block input, parameters) are
+not counted, since every policy keeps them. The *floor* is that amount under
+``"recompute_all"``, the *top* under ``"must_save_all"``. ``fraction=f`` keeps it at
+most ``floor + f * (top - floor)``; ``bytes=b`` at most ``floor + b``. So 0 is
+``"recompute_all"``, and 1 (or ``b >= top - floor``) saves every output backward needs,
+as ``"must_save_all"`` does. ``peak=`` bounds the whole step's peak instead.
 """
 
 from __future__ import annotations
@@ -32,6 +30,17 @@ from ._sizes import parse_size
 
 __all__ = ["MemoryBudget", "Plan"]
 
+# Note [What a budget bounds]
+# Per region, with S the set of op outputs the plan saves: ``M(S)`` is the bytes of
+# the saved op outputs backward still holds after forward (outputs autograd saves,
+# and saved inputs of the ops it recomputes), side-effect outputs (collectives, saved
+# random ops, writes) included; region inputs (the block input, parameters) are not
+# counted (they are kept under every policy). The floor is ``M`` under
+# ``"recompute_all"``, the top ``M`` under ``"must_save_all"``; ``fraction=f`` keeps
+# ``M(S) <= floor + f * (top - floor)``; ``bytes=b`` keeps ``M(S) <= floor + b``.
+# 0 is ``"recompute_all"``, 1 (or ``b >= top - floor``) saves every output backward
+# needs, as ``"must_save_all"`` does.
+
 
 def _rank() -> int:
     dist = torch.distributed
@@ -40,7 +49,9 @@ def _rank() -> int:
 
 class MemoryBudget:
     """A policy that saves, per region, the op outputs that minimize recompute cost
-    within a memory budget (Note [What a budget bounds]).
+    within a memory budget: the bytes of op outputs a region keeps for backward
+    (side-effect outputs included, its inputs and parameters not), counted above what
+    ``"recompute_all"`` keeps.
 
     Args:
         fraction: of the way from ``"recompute_all"`` (0) to ``"must_save_all"`` (1),
@@ -53,7 +64,7 @@ class MemoryBudget:
             string such as ``"70GiB"`` or ``"512MiB"``, or a callable ``rank -> size``).
             One instance applied to all blocks is one budget for the model: their saved
             sets are planned together from what the first step measures, verified after
-            each step and corrected until the measured peak fits (Notes in _peak.py).
+            each step and corrected until the measured peak fits.
             On CUDA the scale is ``torch.cuda.max_memory_allocated``'s; on CPU the peak
             above what was allocated when the step's first checkpointed forward began.
         strict: with ``peak``: a target below the measured floor raises (at the next
@@ -62,11 +73,14 @@ class MemoryBudget:
     Usable wherever a policy is (``apply_ac``, ``wrap``, ``apply_ac_policy``,
     ``apply_ac_policy_fn``, ``checkpoint``), nested with other policies (its answers
     are ``PREFER_*``: a ``MUST_*`` of another region wins). The first call of each
-    block structure calibrates (Note [Calibrate, plan, replay the plan] in
-    _budget_region.py); see
-    :meth:`format_plan` for what was chosen. Eager only (``torch.compile`` has its own:
-    ``torch._functorch.config.activation_memory_budget``).
+    block structure calibrates: it runs with every output saved and measures each op's
+    size and cost; later calls of that structure (and identical blocks) follow the plan
+    made from it. See :meth:`format_plan` for what was chosen. Eager only
+    (``torch.compile`` has its own: ``torch._functorch.config.activation_memory_budget``).
     """
+
+    # Note [Calibrate, plan, replay the plan] in _budget_region.py: how the first call of
+    # a block structure calibrates; Note [What a budget bounds] (above): the bound.
 
     def __init__(
         self,
@@ -142,7 +156,10 @@ class MemoryBudget:
             raise ValueError(f"ac2_dist.MemoryBudget: the {name} callable raised for rank {rank}: {e!r}") from e
 
     def budget_bytes(self, floor: int, top: int) -> int:
-        """The byte limit of a region whose floor and top are known (Note [What a budget bounds])."""
+        """The byte limit of a region whose floor (``"recompute_all"``) and top
+        (``"must_save_all"``) are known: ``floor + fraction * (top - floor)``, or
+        ``floor + bytes``."""
+        # See Note [What a budget bounds] above.
         kind, value = self._resolve()
         if kind == "fraction":
             return floor + round(value * (top - floor))
@@ -171,11 +188,13 @@ class MemoryBudget:
     def close(self) -> None:
         """Stop the measurement a ``peak`` target may have running.
 
-        While it verifies its plan (the first steps, Note [Verify, correct, stay put] in
-        _peak.py) the planner traces allocations from a step's first region to the next
-        step's, when no ``memory.track`` runs. Call this if training stops during those
-        steps and the process goes on (e.g. before starting ``torch.profiler``); at exit
-        it stops by itself. A later step measures again if the plan has not settled."""
+        While it verifies its plan (the first steps after the first, until the measured
+        peak fits the target and the plan stops changing) the planner traces allocations
+        from a step's first region to the next step's, when no ``memory.track`` runs.
+        Call this if training stops during those steps and the process goes on (e.g.
+        before starting ``torch.profiler``); at exit it stops by itself. A later step
+        measures again if the plan has not settled."""
+        # See Note [Verify, correct, stay put] in _peak.py.
         if self._planner is not None:
             self._planner.close()
 

@@ -167,10 +167,10 @@ class _CompilerFlag:
         return torch.compiler.is_compiling()
 
 
+# See Note [Dynamo inside a region] in _tracer.py.
 #: ``COMPILER_STATE._is_compiling_flag`` is what :func:`is_compiling` returns in a frame
 #: dynamo does not trace (``torch.jit.is_scripting()`` is False there), read as an
-#: attribute: the tracer's check per op (Note [Dynamo inside a region] in _tracer.py)
-#: costs no Python call.
+#: attribute: the tracer's check per op costs no Python call.
 COMPILER_STATE: Any = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CompilerFlag()
 
 
@@ -221,7 +221,7 @@ class CompiledPolicy:
                 raise RuntimeError(
                     f"ac2_dist: the policy returned MUST_RECOMPUTE for {op}, which is a "
                     f"{'random' if info.is_rng else info.side_effect.value} op and is never "
-                    "recomputed (CONTRACT §3). Return a save or PREFER_* policy for it."
+                    "recomputed: its output is kept from forward. Return a save or PREFER_* policy for it."
                 )
             if info.is_rng and info.written and _real(args):  # Note [Random writes in the dynamo fallback]
                 return _CP.PREFER_RECOMPUTE

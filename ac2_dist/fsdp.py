@@ -62,7 +62,8 @@ except ImportError:  # torch built without distributed
 
 __all__ = ["is_fsdp_unit", "unsharded_params", "is_unsharded", "ensure_unsharded", "own_ops_scope"]
 
-#: FSDP profiler scopes whose ops compute the module's data (Note [FSDP's own ops are not structure]).
+# See Note [FSDP's own ops are not structure].
+#: FSDP profiler scopes whose ops compute the module's data.
 _FSDP_DATA_SCOPES = ("FSDP::inputs_to_device", "FSDP::cast_forward_inputs", "FSDP::cast_forward_outputs")
 
 

@@ -10,8 +10,8 @@
 
 Figures come from real accounting: the allocator's own events (torch.profiler memory
 events, replayed in time order: _alloc.py), the same on CPU and CUDA, for the device
-the tracked model (or its regions) computes on (Note [The device comes from the
-tensors] in _device.py). Tracking reads no allocator statistic and resets none: a
+the tracked model (or its regions) computes on: the device of its tensors, not the
+current CUDA device. Tracking reads no allocator statistic and resets none: a
 user's ``torch.cuda.max_memory_allocated()`` around a tracked step reads the step's
 peak as it would untracked. What ac2 holds after forward is read from the regions'
 graphs (unique storages, parameters excluded): bytes on the device, and offloaded

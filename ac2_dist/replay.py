@@ -231,16 +231,19 @@ def _is_stream(s: Any) -> bool:
 class InlineExecutor:
     """Runs replays on the calling thread, in stream order (CPU, or when disabled)."""
 
-    #: A value that exists needs no executor: the graph hands it over itself (Note
-    #: [Unpacking a value that exists] in _graph_backward.py). Not on a side stream.
+    # See Note [Unpacking a value that exists] in _graph_backward.py.
+    #: A value that exists needs no executor: the graph hands it over itself. Not on a
+    #: side stream.
     takes_existing = True
+    # See Note [Tensors that cross streams].
     #: Called with every saved value a replay or an unpack reads, or None: on the
-    #: calling stream there is nothing to guard (Note [Tensors that cross streams]).
+    #: calling stream there is nothing to guard.
     guard_read: Callable[[Any], None] | None = None
+    # See Note [The plain replay path] in _replayer.py.
     #: ``run`` of a node without an RNG chain only calls the op: the plain replay path
     #: calls it itself, as the tracer did in forward (``OpInfo.call``, what ``op(...)``
-    #: ends in), two Python frames less per op (Note [The plain replay path] in
-    #: _replayer.py). An executor whose ``run`` does more per op sets this False.
+    #: ends in), two Python frames less per op. An executor whose ``run`` does more per
+    #: op sets this False.
     calls_ops_directly = True
 
     def __init__(self, thread_state: Any) -> None:

@@ -82,61 +82,70 @@ class OpInfo:
     dropout_arg: tuple[int, str] | None
     #: Where a ``generator`` argument is passed (index, name), if the schema has one.
     generator_arg: tuple[int, str] | None
-    #: If set, ``written`` only applies when ``args[write_flag]`` is true (Note [Schemas
-    #: that hide writes]).
+    # See Note [Schemas that hide writes].
+    #: If set, ``written`` only applies when ``args[write_flag]`` is true (an op whose
+    #: schema declares a write it makes only when a flag argument says so).
     write_flag: int | None
+    # See Note [Versions of written tensors] in _tracer.py.
     #: The writes are declared in the schema (``(a!)``): autograd's ADInplaceOrView
-    #: kernel bumps each written tensor's version once *after* the tracer saw the op
-    #: (Note [Versions of written tensors] in _tracer.py). Hidden writes bump nothing.
+    #: kernel bumps each written tensor's version once *after* the tracer saw the op.
+    #: Hidden writes bump nothing.
     declared_writes: bool
     #: Some argument is a ``Tensor[]`` / ``Tensor?[]`` (slower argument walk).
     has_tensor_lists: bool
     #: Some return aliases an input (view ops): saved outputs are detached.
     returns_alias: bool
+    # See Note [Versions of view outputs] in _tracer.py.
     #: For view ops, the argument the outputs are views of: they share its version
-    #: counter once the op returns (Note [Versions of view outputs] in _tracer.py).
+    #: counter once the op returns.
     view_src: int | None = None
-    #: A ``HigherOrderOperator`` (no schema; Note [Higher-order operators]).
+    # See Note [Higher-order operators].
+    #: A ``HigherOrderOperator`` (no schema).
     higher_order: bool = False
+    # See Note [Statistics an op accumulates].
     #: Positions of arguments the op folds statistics into without its outputs depending
-    #: on them (batch-norm running stats; Note [Statistics an op accumulates]).
+    #: on them (batch-norm running stats).
     accumulators: tuple[int, ...] = ()
     #: If set, the op accumulates only when ``args[accumulate_flag]`` is true (training).
     accumulate_flag: int | None = None
+    # See Note [Aliases a schema does not declare] in _tracer.py.
     #: An ATen pointwise op that neither writes nor declares an alias: its output is new
     #: storage (TensorIterator allocates it), so the tracer skips the check for outputs
-    #: that alias an input undeclared (Note [Aliases a schema does not declare] in
-    #: _tracer.py). ``_unsafe_view`` and ``unsafe_split``, the ATen ops that do alias
-    #: undeclared, are not pointwise; composite pointwise ops (``conj_physical`` returns
-    #: a real input itself) and other namespaces (custom ops) are always checked.
+    #: that alias an input undeclared. ``_unsafe_view`` and ``unsafe_split``, the ATen ops
+    #: that do alias undeclared, are not pointwise; composite pointwise ops
+    #: (``conj_physical`` returns a real input itself) and other namespaces (custom ops)
+    #: are always checked.
     fresh_output: bool = False
+    # See Note [The plain-op path] in _tracer.py (``plain`` and ``call``).
     #: A ``fresh_output`` op that returns one tensor and is nothing else the tracer
     #: decides about: no side effect, no random draw, not ignored, no ``Tensor[]``
-    #: argument. The tracer records it on its short path (Note [The plain-op path] in
-    #: _tracer.py).
+    #: argument. The tracer records it on its short path.
     plain: bool = False
     #: ``"output of <op>"``: what error messages call a value this op saved.
     owner: str = ""
     #: What the tracer calls to run the op (both paths; not under a tensor subclass's
     #: probe): the C++ callable ``OpOverload.__call__`` ends in (``op._op``; on torch
     #: 2.14+ ``op._cpp_dispatch_handle``, see ``guarded``), one Python frame less per op,
-    #: where ``__call__`` does nothing else; otherwise ``op`` itself (Note [The plain-op
-    #: path] in _tracer.py). None for higher-order ops.
+    #: where ``__call__`` does nothing else; otherwise ``op`` itself. None for
+    #: higher-order ops.
     call: Any = None
     #: ``call`` runs the op only while ``op._op is call`` (torch >= 2.14: a custom op's
     #: Python dispatcher rebinds ``_op``); the tracer checks that per call, else calls ``op``.
     guarded: bool = False
+    # See Note [Writes inside a region] in _writes.py.
     #: A written argument is a ``Tensor[]`` (``_foreach_*_``, list collectives): such a
-    #: write is never replayed (Note [Writes inside a region] in _writes.py). Index lists
-    #: (``index_put_``'s ``Tensor?[]``) are read, not written.
+    #: write is never replayed. Index lists (``index_put_``'s ``Tensor?[]``) are read,
+    #: not written.
     written_lists: bool = False
+    # See Note [Arguments read for their shape] in _writes.py.
     #: Positions of tensor arguments the op reads only for their sizes, strides, dtype
-    #: and device (``empty_like``, ``new_zeros``, ``rand_like`` ...): Note [Arguments read
-    #: for their shape] in _writes.py.
+    #: and device (``empty_like``, ``new_zeros``, ``rand_like`` ...): a later write to
+    #: them does not change this op's output.
     shape_only: tuple[int, ...] = ()
+    # See Note [Writes that overwrite] in _writes.py.
     #: The op writes every element of ``self`` (its one written argument) without reading
-    #: what was there (``copy_``, ``fill_``, ``zero_``): Note [Writes that overwrite] in
-    #: _writes.py.
+    #: what was there (``copy_``, ``fill_``, ``zero_``): its replay writes into a new
+    #: tensor.
     overwrites: bool = False
 
     def writes(self, args: tuple) -> bool:

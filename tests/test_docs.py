@@ -216,3 +216,39 @@ def test_every_note_reference_is_defined():
     notes, dangling = notes_index.scan(ROOT)
     assert len(notes) > 50
     assert not dangling, f"Notes referred to but defined nowhere: {dangling}"
+
+
+def _notes_index():
+    sys.path.insert(0, os.path.join(ROOT, "docs", "_ext"))
+    try:
+        import notes_index
+    finally:
+        sys.path.pop(0)
+    return notes_index
+
+
+def test_the_design_page_lists_every_module():
+    """The design page's module table (``modules-index``, generated at build time) has a row
+    for every module of the package, each with its concept (a module docstring's first
+    sentence) and its true line count; the page's diagram and seams name only modules that
+    exist."""
+    import glob
+
+    listed = {path: (first, lines) for path, first, lines in _notes_index().modules(ROOT)}
+    files = sorted(os.path.relpath(p, ROOT).replace(os.sep, "/") for ext in ("py", "c")
+                   for p in glob.glob(os.path.join(ROOT, "ac2_dist", "**", f"*.{ext}"), recursive=True))
+    assert sorted(listed) == files
+    no_concept = [path for path, (first, _) in listed.items() if not first]
+    assert not no_concept, f"modules without a docstring (or header comment) naming their concept: {no_concept}"
+    for path, (_, lines) in listed.items():
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            assert lines == len(f.read().splitlines()), path
+    with open(os.path.join(ROOT, "docs", "dev", "design.md"), encoding="utf-8") as f:
+        page = f.read()
+    assert "```{modules-index}" in page
+    names = {os.path.basename(p) for p in files}
+    named = set(re.findall(r"(?<![\w/])(_?\w+\.(?:py|c))\b", page))
+    assert {"_tracer.py", "_graph.py", "_replayer.py", "_policy.py"} <= named
+    unknown = sorted(n for n in named - names if n not in {"design.md", "test_docs.py", "test_structure.py",
+                                                           "test_docstrings.py", "notes_index.py"})
+    assert not unknown, f"docs/dev/design.md names modules that ac2_dist/ does not have: {unknown}"

@@ -1,59 +1,42 @@
 """Docstrings are user documentation (issue 41): what ``help()`` / pydoc shows for the public
 API, and the built documentation, cite no design contract ("CONTRACT §n") and no Note of the
-code ("Note [...] in _peak.py"). Notes are for contributors: they live in comments and in
-private modules, and the design page (docs/dev/, whose subject they are) indexes them.
+code ("Note [...] in _peak.py"): a fact the user needs is stated in words where they read it.
+Notes are for contributors: they live in comments and in private modules' own docstrings, and
+the design page (docs/dev/, whose subject they are) indexes them.
 
-The docstrings of ac2_dist/memory.py, budget.py, _peak.py, _graph.py, _replayer.py and
-_tracer.py still cite them: those files are being split (issue 43) and are fixed after that
-lands. Their lines are told apart here (by text), so the check of everything else holds now
-and the check of those files is an expected failure that must be removed once they are fixed.
+Checked here: ``help()`` of every public module of the package (found by walking it, not
+listed), the docstring of every public name those modules export and of every public member
+of the classes among them (wherever the class is defined: a public class of a private module
+is documented under the public module that exports it), the ``#:`` attribute comments Sphinx
+renders for them, the README, and the docs as Sphinx builds them.
 """
 
 from __future__ import annotations
 
-import ast
 import importlib
+import inspect
 import os
+import pkgutil
 import pydoc
 import re
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import ac2_dist
 
-PUBLIC_MODULES = [
-    "ac2_dist", "ac2_dist.memory", "ac2_dist.budget", "ac2_dist.replay", "ac2_dist.offload",
-    "ac2_dist.fsdp", "ac2_dist.compile", "ac2_dist.report", "ac2_dist.side_effects",
-    "ac2_dist.distributed", "ac2_dist.integrations", "ac2_dist.integrations.hf",
-    "ac2_dist.integrations.torch_checkpoint",
-]
-# Being split (issue 43): their docstrings are fixed once the split lands.
-PROTECTED = ["memory.py", "budget.py", "_peak.py", "_graph.py", "_replayer.py", "_tracer.py"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _CITATION = re.compile(r"CONTRACT|Note\s+\[")
 
 
-def _norm(text: str) -> str:
-    """Text as both pydoc and Sphinx's text builder may render it: no roles, quotes or
-    emphasis marks, whitespace collapsed."""
-    text = re.sub(r":[\w:]+:`~?([^`]*)`", r"\1", text)
-    text = text.replace("\u2013", "--").replace("\u2014", "---")
-    text = re.sub(r"[`\"'*\u2018\u2019\u201c\u201d|]", "", text)
-    return " ".join(text.split())
+def _public_modules() -> list[str]:
+    """``ac2_dist`` and every submodule no part of whose name starts with an underscore."""
+    found = [m.name for m in pkgutil.walk_packages(ac2_dist.__path__, "ac2_dist.")
+             if not any(part.startswith("_") for part in m.name.split(".")[1:])]
+    return ["ac2_dist", *sorted(found)]
 
 
-def _protected_docstrings() -> str:
-    """Every docstring of the protected files, normalized, one after the other."""
-    docs = []
-    for name in PROTECTED:
-        with open(os.path.join(ROOT, "ac2_dist", name), encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-        for node in [tree, *ast.walk(tree)]:
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node, clean=True)
-                if doc:
-                    docs.append(_norm(doc))
-    return "\n".join(docs)
+PUBLIC_MODULES = _public_modules()
 
 
 def _citations(text: str) -> list[str]:
@@ -70,18 +53,57 @@ def _citations(text: str) -> list[str]:
     return found
 
 
-def _split(citations: list[str]) -> tuple[list[str], list[str]]:
-    """(citations from the protected files' docstrings, the others)."""
-    protected = _protected_docstrings()
-    ours, theirs = [], []
-    for line in citations:
-        text = _norm(re.sub(r"^[\w.]+ - ", "", line))  # pydoc's NAME line: "module - summary"
-        (theirs if text and text in protected else ours).append(line)
-    return theirs, ours
-
-
 def _rendered(module: str) -> str:
     return pydoc.render_doc(importlib.import_module(module), renderer=pydoc.plaintext)
+
+
+def _is_public(name: str) -> bool:
+    return not name.startswith("_") or name == "__init__"
+
+
+def _exported(module: str) -> dict[str, object]:
+    """What ``help(module)`` documents: its ``__all__``, else its public names defined there."""
+    mod = importlib.import_module(module)
+    names = getattr(mod, "__all__", None)
+    if names is None:
+        names = [n for n, v in vars(mod).items() if _is_public(n) and getattr(v, "__module__", None) == module]
+    return {f"{module}.{n}": getattr(mod, n) for n in names}
+
+
+def _members(qualname: str, cls: type) -> dict[str, object]:
+    """The public members a class defines itself (methods, properties, class methods)."""
+    out: dict[str, object] = {}
+    for name, value in vars(cls).items():
+        if _is_public(name):
+            value = getattr(value, "__func__", value)  # classmethod / staticmethod
+            value = getattr(value, "fget", value)  # property
+            if callable(value) or inspect.isdatadescriptor(value):
+                out[f"{qualname}.{name}"] = value
+    return out
+
+
+def public_names() -> dict[str, object]:
+    """Every public name of the package's public modules, and the public members of its
+    classes, by dotted name."""
+    out: dict[str, object] = {}
+    for module in PUBLIC_MODULES:
+        for qualname, obj in _exported(module).items():
+            if not getattr(obj, "__module__", "").startswith("ac2_dist"):
+                continue  # torch's names a module re-exports (CheckpointPolicy)
+            out[qualname] = obj
+            if inspect.isclass(obj):
+                out.update(_members(qualname, obj))
+    return out
+
+
+def _doc_comments(obj: object) -> str:
+    """The ``#:`` attribute comments in the source of a module or class (what autodoc renders
+    as the attributes' documentation)."""
+    try:
+        lines = inspect.getsource(obj).splitlines()  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return ""
+    return "\n".join(line.strip()[2:] for line in lines if line.strip().startswith("#:"))
 
 
 @pytest.fixture(scope="module")
@@ -103,35 +125,46 @@ def built_docs(tmp_path_factory):
 
 
 def test_the_check_finds_citations():
-    """The check itself: a wrapped citation is found, and told apart by file."""
+    """The check itself: a wrapped citation is found, and so is a contract section."""
     # (the samples are split so that the design page's index of Notes does not read them)
     assert _citations("a (Note\n   [X] in y.py) b\nc") == ["a (No" "te [X] in y.py) b"]
     assert _citations("(CONTRACT §2).") == ["(CONTRACT §2)."]
-    theirs, ours = _split(["not in any protected docstring (No" "te [Nothing])"])
-    assert theirs == [] and ours
+    assert _citations("nothing to see") == []
+
+
+def test_the_walk_finds_the_public_api():
+    """The modules and names below are found, not listed: the walk reaches them."""
+    assert {"ac2_dist.memory", "ac2_dist.budget", "ac2_dist.integrations.hf"} <= set(PUBLIC_MODULES)
+    assert not any("._" in m for m in PUBLIC_MODULES)
+    names = public_names()
+    # a class exported from a private module, its method, a property and a function
+    for name in ("ac2_dist.MemoryBudget.close", "ac2_dist.memory.RankReport", "ac2_dist.budget.MemoryBudget.budget_bytes",
+                 "ac2_dist.apply_ac", "ac2_dist.replay.InlineExecutor.realize"):
+        assert name in names, name
+    assert "the plain replay path" in _doc_comments(names["ac2_dist.replay.InlineExecutor"])
 
 
 @pytest.mark.parametrize("module", PUBLIC_MODULES)
 def test_help_cites_no_contract_or_note(module):
-    """help(module) of every public module: no citation outside the protected files."""
-    _, ours = _split(_citations(_rendered(module)))
-    assert not ours, f"help({module}) cites the design contract or a Note: {ours}"
+    """help(module) of every public module, and the ``#:`` comments of the module."""
+    found = _citations(_rendered(module)) + _citations(_doc_comments(importlib.import_module(module)))
+    assert not found, f"help({module}) cites the design contract or a Note: {found}"
+
+
+def test_public_names_cite_no_contract_or_note():
+    """The docstring of every public name (and public member of a public class), and the
+    ``#:`` comments of every public class, wherever it is defined."""
+    found = {}
+    for name, obj in public_names().items():
+        text = (inspect.getdoc(obj) or "") + "\n" + (_doc_comments(obj) if inspect.isclass(obj) else "")
+        if lines := _citations(text):
+            found[name] = lines
+    assert not found, f"public docstrings cite the design contract or a Note: {found}"
 
 
 def test_the_readme_and_the_built_docs_cite_no_contract_or_note(built_docs):
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         assert not _citations(f.read())
-    found = {page: _split(_citations(text))[1] for page, text in built_docs.items()}
+    found = {page: _citations(text) for page, text in built_docs.items()}
     found = {page: lines for page, lines in found.items() if lines}
     assert not found, f"the built docs cite the design contract or a Note: {found}"
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "the docstrings of ac2_dist/memory.py, budget.py, _peak.py, _graph.py, _replayer.py and "
-    "_tracer.py still cite CONTRACT / Notes: they are fixed once issue 43's split of those "
-    "files lands; then remove this mark"))
-def test_the_files_being_split_cite_no_contract_or_note(built_docs):
-    theirs = {module: _split(_citations(_rendered(module)))[0] for module in PUBLIC_MODULES}
-    theirs.update({page: _split(_citations(text))[0] for page, text in built_docs.items()})
-    theirs = {where: lines for where, lines in theirs.items() if lines}
-    assert not theirs, f"help() and the built docs cite the design contract or a Note: {theirs}"

@@ -100,9 +100,9 @@ def scan(root: str = ROOT) -> tuple[list[Note], list[tuple[str, str]]]:
     return sorted(notes.values(), key=lambda n: n.title.lower()), dangling
 
 
-def modules(root: str = ROOT) -> list[tuple[str, str]]:
-    """(path, first sentence of its docstring or header comment) of every module of the
-    package, the C extension included, sorted by path."""
+def modules(root: str = ROOT) -> list[tuple[str, str, int]]:
+    """(path, first sentence of its docstring or header comment, line count) of every
+    module of the package, the C extension included, sorted by path."""
     import ast
 
     out = []
@@ -125,7 +125,8 @@ def modules(root: str = ROOT) -> list[tuple[str, str]]:
         first = re.sub(r":\w+:`~?([^`]+)`", r"\1", first)  # roles: their target's text
         first = re.sub(r"``([^`]+)``", r"\1", first)
         first = re.sub(r"\s*\(CONTRACT §[\d/§]+\)", "", first)  # an internal document, not in the repository
-        out.append((rel, first + "." if first else ""))
+        first = re.sub(r"\s*\(Note \[[^\]]+\](?: in [\w./]+)?\)", "", first)  # the Notes table lists them
+        out.append((rel, first + "." if first else "", len(text.splitlines())))
     return out
 
 
@@ -171,18 +172,36 @@ def setup(app):  # the Sphinx extension
             return [summary, table]
 
     class ModulesIndex(SphinxDirective):
-        """``modules-index``: every module of the package with its docstring's first sentence."""
+        """``modules-index``: a table of every module of the package: its path, its line
+        count and its docstring's first sentence (the one concept it holds)."""
 
         def run(self):
-            items = nodes.bullet_list()
-            for path, first in modules():
-                item = nodes.list_item()
-                para = nodes.paragraph()
-                para += nodes.literal(path, path)
-                para += nodes.Text(f": {first}" if first else "")
-                item += para
-                items += item
-            return [items]
+            table = nodes.table()
+            group = nodes.tgroup(cols=3)
+            table += group
+            for width in (30, 8, 62):
+                group += nodes.colspec(colwidth=width)
+            head = nodes.thead()
+            group += head
+            body = nodes.tbody()
+            group += body
+
+            def row(cells, literal):
+                r = nodes.row()
+                for text, lit in zip(cells, literal):
+                    entry = nodes.entry()
+                    entry += nodes.paragraph("", "", nodes.literal(text, text) if lit else nodes.Text(text))
+                    r += entry
+                return r
+
+            head += row(("module", "lines", "what it holds"), (False, False, False))
+            found = modules()
+            for path, first, lines in found:
+                body += row((path, str(lines), first), (True, False, False))
+            total = sum(lines for _, _, lines in found)
+            summary = nodes.paragraph("", f"{len(found)} modules, {total} lines, counted from the sources "
+                                      "when these docs were built.")
+            return [summary, table]
 
     app.add_directive("notes-index", NotesIndex)
     app.add_directive("modules-index", ModulesIndex)
