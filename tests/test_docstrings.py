@@ -25,7 +25,7 @@ PUBLIC_MODULES = [
     "ac2_dist", "ac2_dist.memory", "ac2_dist.budget", "ac2_dist.replay", "ac2_dist.offload",
     "ac2_dist.fsdp", "ac2_dist.compile", "ac2_dist.report", "ac2_dist.side_effects",
     "ac2_dist.distributed", "ac2_dist.integrations", "ac2_dist.integrations.hf",
-    "ac2_dist.integrations.torch_checkpoint",
+    "ac2_dist.integrations.torch_checkpoint", "ac2_dist.simulate",
 ]
 # Being split (issue 43): their docstrings are fixed once the split lands.
 PROTECTED = ["memory.py", "budget.py", "_peak.py", "_graph.py", "_replayer.py", "_tracer.py"]
