@@ -79,6 +79,13 @@ class ModeReport:
     predicted_bytes: int | None = None
 
 
+def _short(when: str) -> str:
+    return (when.replace("backward of block ", "bwd block ").replace("forward of block ", "fwd block ")
+            .replace("backward, outside the blocks", "bwd, head/loss").replace("forward, outside the blocks",
+                                                                               "fwd, outside blocks")
+            .replace("predicted (peak model)", "(model)"))
+
+
 def format_table(modes: list[ModeReport], head: str) -> str:
     """The report's table: one column per mode."""
     names = [m.name for m in modes]
@@ -93,8 +100,7 @@ def format_table(modes: list[ModeReport], head: str) -> str:
     if any(m.predicted_bytes is not None for m in modes):
         row("  peak model's prediction (target)", ["-" if m.predicted_bytes is None else human_bytes(m.predicted_bytes)
                                                    for m in modes])
-    row("  when", [m.when.replace("backward of block ", "bwd blk ").replace("forward of block ", "fwd blk ")
-                   for m in modes])
+    row("  when", [_short(m.when) for m in modes])
     per_mode = [rows(m.breakdown) for m in modes]
     for name, _ in _ROWS:
         row("  " + name, [human_bytes(r[name]) for r in per_mode])

@@ -1,5 +1,5 @@
 """Plan a W-rank FSDP2 step from one CPU: what rank r holds at its peak, for no AC, full
-AC, a save list or a peak target, without a GPU and without the data.
+AC, a save list or a peak target, without a GPU and without the data::
 
     from ac2_dist.simulate import simulate
 
@@ -8,8 +8,10 @@ AC, a save list or a peak target, without a GPU and without the data.
     print(report.format())
     report.save_plan("plan.json")   # the job: MemoryBudget(peak="70GiB", plan="plan.json")
 
-or from the shell: ``python -m ac2_dist.simulate --hf-config config.json --world-size 64
---batch 2 --seq 8192 --dtype bf16 --target 70GiB --device h100 --plan-out plan.json``.
+or from the shell::
+
+    python -m ac2_dist.simulate --hf-config config.json --world-size 64 --batch 2 \\
+        --seq 8192 --dtype bf16 --target 70GiB --device h100 --plan-out plan.json
 
 The step runs in this process on fake tensors under torch's fake process group; torch's
 memory tracker (``torch.distributed._tools``) counts what it holds.
@@ -227,7 +229,7 @@ def simulate(
         modes: any of ``"none"``, ``"full"``, or a list of ops to save (a policy).
         target: a peak target (bytes or ``"70GiB"``): adds the planned mode
             (:meth:`SimulationReport.plan`).
-        device: a named device (:data:`DEVICES`) or ``(FLOP/s, bytes/s)``: the rates
+        device: a named device (a key of ``DEVICES``) or ``(FLOP/s, bytes/s)``: the rates
             recompute is priced with.
         dtype: the dtype the model computes in (picks the device's FLOP rate).
 
