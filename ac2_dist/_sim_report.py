@@ -25,6 +25,8 @@ NOT_COUNTED: tuple[tuple[str, str], ...] = (
     ("NCCL communicator buffers and streams", "0.5-2 GiB per process group"),
     ("the CUDA context and kernels (cuBLAS/cuDNN workspaces included)", "0.5-1 GiB per process"),
     ("kernels' internal scratch (attention, reductions)", "a few MiB to a few hundred MiB"),
+    ("collective buffers held past their wait (gloo's worker threads, NCCL streams)",
+     "up to one or two blocks' unsharded parameters"),
 )
 
 # Categories of torch's trackers -> the rows the report shows.
@@ -89,7 +91,7 @@ def _short(when: str) -> str:
 def format_table(modes: list[ModeReport], head: str) -> str:
     """The report's table: one column per mode."""
     names = [m.name for m in modes]
-    width = max([12] + [len(n) for n in names]) + 2
+    width = max([12] + [len(n) for n in names] + [len(_short(m.when)) for m in modes]) + 2
     label = 64
     lines = [head, "", f"{'':<{label}}" + "".join(f"{n:>{width}}" for n in names)]
 

@@ -171,3 +171,24 @@ def test_cli_prints_the_table_and_writes_a_loadable_plan(tmp_path):
     assert bad.returncode == 2 and "missing.json" in bad.stderr and "cannot build a config" in bad.stderr
     bad = _cli("--hf-config", str(cfg), "--world-size", "6", "--shard-size", "4")
     assert bad.returncode == 2 and "world_size=6 is not a multiple of shard_size=4" in bad.stderr
+
+
+def test_hsdp_shards_over_the_shard_group_only():
+    """World 4 sharded over groups of 2 holds what world 2 holds; plain world 4 holds less."""
+    kw = dict(batch=case.batch, blocks=[case.block_type()], modes=["full"], device="cpu")
+    two = simulate(case.build, world_size=2, **kw).modes[0]
+    hsdp = simulate(case.build, world_size=4, shard_size=2, **kw).modes[0]
+    four = simulate(case.build, world_size=4, **kw).modes[0]
+    assert (hsdp.peak_bytes, hsdp.start_bytes) == (two.peak_bytes, two.start_bytes)
+    assert four.start_bytes < two.start_bytes and four.peak_bytes < two.peak_bytes
+
+
+def test_cli_takes_a_factory_of_the_users(tmp_path):
+    env_path = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(env_path)
+    done = subprocess.run([sys.executable, "-m", "ac2_dist.simulate", "--model", "_sim_case:build", "--world-size",
+                           "2", "--batch", str(case.BATCH), "--seq", str(case.SEQ), "--device", "cpu", "--modes",
+                           "full", "--save-ops", "mm"], capture_output=True, text=True, timeout=300, cwd=root,
+                          env={**os.environ, "PYTHONPATH": env_path})
+    assert done.returncode == 0, done.stderr
+    assert "full AC" in done.stdout and "save: mm" in done.stdout
