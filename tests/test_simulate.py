@@ -192,3 +192,17 @@ def test_cli_takes_a_factory_of_the_users(tmp_path):
                           env={**os.environ, "PYTHONPATH": env_path})
     assert done.returncode == 0, done.stderr
     assert "full AC" in done.stdout and "save: mm" in done.stdout
+
+
+def test_recompute_is_priced_at_the_devices_rates():
+    """With unbounded bandwidth the roofline is FLOPs / FLOP rate; a named device's rate
+    is its datasheet figure for the dtype."""
+    kw = dict(batch=case.batch, blocks=[case.block_type()], world_size=2, modes=["full"])
+    custom = simulate(case.build, device=(1e12, 1e30), **kw).modes[0]
+    assert custom.recompute_flops > 0
+    assert custom.recompute_seconds * 1e12 == pytest.approx(custom.recompute_flops, rel=1e-9)
+    from ac2_dist.simulate import DEVICES
+
+    h100 = simulate(case.build, device="h100", **kw).modes[0]
+    assert h100.recompute_flops == custom.recompute_flops
+    assert h100.recompute_seconds >= h100.recompute_flops / DEVICES["h100"][1]  # fp32: no TF32
