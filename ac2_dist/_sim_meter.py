@@ -91,7 +91,8 @@ def make_meter(model: nn.Module, optimizer: torch.optim.Optimizer | None, blocks
             out: dict[str, int] = {}
             for dev in self._curr_mem_snap.values():
                 for k, v in dev.items():
-                    out[str(k.value if hasattr(k, "value") else k)] = out.get(str(k.value if hasattr(k, "value") else k), 0) + v
+                    name = str(getattr(k, "value", k))  # a category enum, or "Total"
+                    out[name] = out.get(name, 0) + v
             return out
 
         def mark(self, segment: str) -> None:
