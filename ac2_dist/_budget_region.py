@@ -121,6 +121,7 @@ class _BudgetRegion:
             self.plan = other
             decision = other.decisions[k]
             return self._recorded(decision, key) if self.recording else decision
+        self.budget._mismatch(self.fqn, k, key)  # a plan from a file is refused here
         if self.recording:  # nothing saved so far: this region is a calibration after all
             self.plan = None
             self.signature.append(key)
@@ -225,6 +226,8 @@ class _BudgetRegion:
                 if self.observing and graph.tracker is not None:  # followed a cached plan from the start
                     graph.tracker._note_plan(self.fqn, plan)
                 return
+            if not self.diverged:  # it ended before its plan did
+                self.budget._mismatch(self.fqn, self.calls, None)
             if not self.recording:
                 self.budget._forget(self.fqn)  # calibrate next time
                 return

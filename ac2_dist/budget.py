@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from . import _sim_plan
 from ._block_problem import Plan, _CostModel, _Problem
 from ._budget_region import _BudgetRegion
 from ._peak import PeakPlanner
@@ -69,6 +70,12 @@ class MemoryBudget:
             above what was allocated when the step's first checkpointed forward began.
         strict: with ``peak``: a target below the measured floor raises (at the next
             forward) instead of warning once and running at the floor.
+        plan: with ``peak``: the path of a plan file written by
+            ``ac2_dist.simulate`` (``SimulationReport.save_plan`` or ``python -m
+            ac2_dist.simulate ... --plan-out``). The first step follows it instead of
+            calibrating at the floor; the measured steps then verify and correct it as
+            usual. A checkpointed module the file does not name, or a block whose ops
+            differ from the file's, raises ``ValueError`` naming the first difference.
 
     Usable wherever a policy is (``apply_ac``, ``wrap``, ``apply_ac_policy``,
     ``apply_ac_policy_fn``, ``checkpoint``), nested with other policies (its answers
@@ -89,6 +96,7 @@ class MemoryBudget:
         bytes: int | Callable[[int], int] | None = None,  # noqa: A002 - public name fixed by CONTRACT §11
         peak: int | str | Callable[[int], int | str] | None = None,
         strict: bool = False,
+        plan: str | None = None,
     ) -> None:
         given = [name for name, v in (("fraction", fraction), ("bytes", bytes), ("peak", peak)) if v is not None]
         if len(given) != 1:
@@ -102,6 +110,10 @@ class MemoryBudget:
         self._bytes = bytes
         self._peak_arg = peak
         self._strict = strict
+        if plan is not None and peak is None:
+            raise TypeError("ac2_dist.MemoryBudget: plan applies to a peak target (MemoryBudget(peak=..., plan=path))")
+        self._plan_path = plan
+        self._loaded = _sim_plan.load(plan) if plan is not None else None  # read now: errors before any step
         self._planner: PeakPlanner | None = None
         self._lock = threading.Lock()
         self._plans: dict[tuple, Plan] = {}  # structure signature -> plan (shared by equal blocks)
@@ -181,8 +193,11 @@ class MemoryBudget:
         if self._planner is None:
             target = self._resolve()[1]
             with self._lock:
-                if self._planner is None:
+                created = self._planner is None
+                if created:
                     self._planner = PeakPlanner(self, target)
+            if created and self._loaded is not None:  # outside the lock: installing takes it
+                _sim_plan.install(self._planner, self._loaded)
         return self._planner
 
     def close(self) -> None:
@@ -204,7 +219,17 @@ class MemoryBudget:
         planner = self.peak_planner
         if planner is not None:
             module_fqn = planner.before_region(module_fqn)
+            if self._loaded is not None and torch.is_grad_enabled() and module_fqn not in self._loaded.fqns:
+                planner.close()  # the step it began measuring stops here
+                raise ValueError(_sim_plan.mismatch(self._loaded, module_fqn, None, None))
         return _BudgetRegion(self, module_fqn)
+
+    def _mismatch(self, fqn: str, k: int, key: tuple | None) -> None:
+        """A block diverged from its plan at op ``k``: refused if the plan came from a file."""
+        # Note [A plan file is the planner's state] in _sim_plan.py
+        if self._loaded is not None and fqn in self._loaded.fqns:
+            self.close()  # the step it began measuring stops here
+            raise ValueError(_sim_plan.mismatch(self._loaded, fqn, k, key))
 
     def _plan_for(self, fqn: str) -> tuple[Plan | None, bool]:
         """(the plan ``fqn``'s call follows, whether a call without one may follow a
@@ -315,6 +340,7 @@ class MemoryBudget:
             what = f"bytes={self._bytes!r}"
         else:
             what = f"peak={self._peak_arg!r}" + (", strict=True" if self._strict else "")
+            what += f", plan={self._plan_path!r}" if self._plan_path is not None else ""
         return f"MemoryBudget({what})"
 
     def __reduce__(self) -> tuple:
@@ -323,15 +349,15 @@ class MemoryBudget:
             return (MemoryBudget, (self._fraction,))
         if self._bytes is not None:
             return (_budget_of_bytes, (self._bytes,))
-        return (_budget_of_peak, (self._peak_arg, self._strict))
+        return (_budget_of_peak, (self._peak_arg, self._strict, self._plan_path))
 
 
 def _budget_of_bytes(nbytes: Any) -> MemoryBudget:
     return MemoryBudget(bytes=nbytes)
 
 
-def _budget_of_peak(peak: Any, strict: bool) -> MemoryBudget:
-    return MemoryBudget(peak=peak, strict=strict)
+def _budget_of_peak(peak: Any, strict: bool, plan: str | None = None) -> MemoryBudget:
+    return MemoryBudget(peak=peak, strict=strict, plan=plan)
 
 
 def _fqn_pattern(fqn: str) -> str:

@@ -1,0 +1,173 @@
+"""``python -m ac2_dist.simulate``: the simulation from the shell (a Hugging Face config
+file or a factory of the user's), printing the table and writing the plan."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._sizes import parse_size
+
+__all__: list[str] = []
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+class _Refused(Exception):
+    """Bad input: the message is printed, exit status 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ac2_dist.simulate", description=(
+        "Predict what one rank of a W-rank FSDP2 job holds at its peak (no AC, full AC, a save list, a peak "
+        "target), on this CPU, without the data; write the plan for MemoryBudget(peak=..., plan=...)."))
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf-config", help="a Hugging Face config.json (AutoModelForCausalLM.from_config; nothing "
+                                         "is downloaded)")
+    src.add_argument("--model", help="pkg.module:factory; factory() returns a model, or (model, batch_fn)")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--batch", type=int, default=1, help="per-rank batch size")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES))
+    p.add_argument("--fsdp", default="per-block", choices=["per-block", "none"])
+    p.add_argument("--shard-size", type=int, default=None, help="HSDP: shard over groups of this many ranks")
+    p.add_argument("--blocks", default=None, help="comma-separated class names of the blocks to checkpoint "
+                                                  "(default: the model's _no_split_modules)")
+    p.add_argument("--modes", default="none,full", help="comma-separated: none, full")
+    p.add_argument("--save-ops", default=None, help="adds a save-list mode: comma-separated aten ops "
+                                                    "(mm, addmm, aten.mm.default, ...)")
+    p.add_argument("--target", default=None, help="a peak target, e.g. 70GiB: adds the planned mode")
+    p.add_argument("--device", default="h100", help="h100, h200, a100, cpu: the rates recompute is priced at")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "none"])
+    p.add_argument("--plan-out", default=None, help="write the plan (needs --target) to this JSON file")
+    return p
+
+
+def _hf(path: str, dtype: torch.dtype) -> tuple[Callable[[], nn.Module], Any]:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as e:
+        raise _Refused("--hf-config needs transformers (pip install 'ac2-dist[hf]')") from e
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        model_type = doc.pop("model_type")
+        config = AutoConfig.for_model(model_type, **doc)
+    except (OSError, json.JSONDecodeError, KeyError, ValueError, TypeError) as e:
+        raise _Refused(f"--hf-config {path!r}: cannot build a config from it ({type(e).__name__}: {e}); it must "
+                       "be a Hugging Face config.json with a model_type") from e
+
+    def build() -> nn.Module:
+        return AutoModelForCausalLM.from_config(config).to(dtype).train()
+
+    return build, config
+
+
+def _factory(spec: str) -> Callable[[], Any]:
+    mod, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise _Refused(f"--model {spec!r}: cannot import it ({e}); write pkg.module:factory") from e
+
+
+def _ops(text: str) -> list[Any]:
+    out = []
+    for name in text.split(","):
+        parts = name.strip().split(".")
+        if parts[0] == "aten":
+            parts = parts[1:]
+        try:
+            packet = getattr(torch.ops.aten, parts[0])
+            out.append(getattr(packet, parts[1]) if len(parts) > 1 else packet.default)
+        except (AttributeError, IndexError) as e:
+            raise _Refused(f"--save-ops: {name!r} is not an aten op (write mm, addmm or aten.mm.default)") from e
+    return out
+
+
+def main(simulate: Callable[..., Any], argv: list[str] | None = None) -> int:
+    """Run the command line with ``simulate`` (``ac2_dist.simulate.simulate``); returns
+    the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args, simulate)
+    except _Refused as e:
+        print(f"ac2_dist.simulate: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
+    dtype = _DTYPES[args.dtype]
+    for name in ("batch", "seq"):
+        if getattr(args, name) < 1:
+            raise _Refused(f"--{name} must be >= 1, got {getattr(args, name)}")
+    batch_fn = None
+    if args.hf_config:
+        build, config = _hf(args.hf_config, dtype)
+        vocab = getattr(config, "vocab_size", None)
+    else:
+        factory = _factory(args.model)
+
+        def build() -> nn.Module:
+            made = factory()
+            return made[0] if isinstance(made, tuple) else made
+
+        with torch.device("meta"):
+            made = factory()
+        if isinstance(made, tuple):
+            batch_fn = made[1]
+        vocab = getattr(getattr(made[0] if isinstance(made, tuple) else made, "config", None), "vocab_size", None)
+    try:
+        with torch.device("meta"):
+            probe = build()
+    except Exception as e:
+        raise _Refused(f"the model cannot be built from {args.hf_config or args.model!r} ({type(e).__name__}: "
+                       f"{e})") from e
+    names = args.blocks.split(",") if args.blocks else list(getattr(probe, "_no_split_modules", None) or [])
+    block_types = sorted({type(m) for m in probe.modules() if type(m).__name__ in names}, key=lambda t: t.__name__)
+    if not block_types:
+        raise _Refused(f"no module of the model is a block to checkpoint (looked for {names or 'nothing'}); "
+                       "name their classes with --blocks")
+    if batch_fn is None:
+        if vocab is None:
+            raise _Refused("the model has no config.vocab_size: return (model, batch_fn) from --model's factory")
+        b, s = args.batch, args.seq
+
+        def batch_fn() -> dict:
+            ids = torch.randint(0, vocab, (b, s))
+            return {"input_ids": ids, "labels": ids}
+
+    modes: list[Any] = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.save_ops:
+        modes.append(_ops(args.save_ops))
+    if args.plan_out and not args.target:
+        raise _Refused("--plan-out needs --target (the plan is the peak target's)")
+    target = parse_size(args.target, "--target") if args.target else None
+    report = simulate(build, batch=batch_fn, blocks=block_types, world_size=args.world_size, rank=args.rank,
+                      fsdp=None if args.fsdp == "none" else "per-block", shard_size=args.shard_size,
+                      optimizer=None if args.optimizer == "none" else _adamw_default(), modes=modes,
+                      target=args.target if target is not None else None, device=args.device, dtype=dtype)
+    print(report.format())
+    if args.plan_out:
+        report.save_plan(args.plan_out)
+        print(f"\nplan written to {args.plan_out}: MemoryBudget(peak={args.target!r}, plan={args.plan_out!r})")
+    return 0
+
+
+def _adamw_default() -> Callable[[Any], torch.optim.Optimizer]:
+    def make(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-4)
+
+    return make

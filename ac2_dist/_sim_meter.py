@@ -1,0 +1,131 @@
+"""What a simulated step holds, counted by torch's own tracker: :class:`_StepMeter` is
+``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`` (``MemTracker`` for a
+model without FSDP) with three additions the simulation reports: when the step's peak
+happens, the peak of each planner segment, and the bytes each block keeps.
+
+Note [The simulated step is counted by torch's tracker]
+    ``MemTracker`` is a dispatch mode that registers the storage of every tensor an op
+    returns (a weak reference per storage: freed when the storage dies) under a
+    category (parameters, gradients, optimizer states, activations, temporaries; FSDP's
+    tracker adds sharded / unsharded parameters and gradients, all-gather and
+    reduce-scatter buffers), and the tensors of the modules and optimizer it was given.
+    It counts storage bytes, as the allocator hands them out on CPU (on CUDA it rounds
+    to 512 B blocks as the caching allocator does). ac2's tracer is a dispatch mode
+    above it: the ops it runs and replays reach the tracker as any op does. What it
+    cannot see -- the allocator's fragmentation and reserved-but-free blocks, the
+    kernels' internal workspaces, NCCL's buffers, the CUDA context -- is not counted
+    (:data:`NOT_COUNTED` in _sim_report.py names each with a typical size).
+    The meter reads the tracker's running total after every op (``_update_peak_stats``
+    is called there): the step's peak, with the phase it happened in, and the peak of
+    each segment between the marks a ``MemoryBudget(peak=...)`` planner would set
+    (Note [The peak model] in _peak_model.py): ``fwd:k`` where block k's forward
+    begins (after FSDP's all-gather, as the region enters) and ``bwd:k`` where its
+    backward first reads a saved value.
+"""
+
+from __future__ import annotations
+
+from copy import deepcopy
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+
+__all__: list[str] = []
+
+_TOTAL = "Total"
+
+
+def _meter_class(model: nn.Module) -> type:
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPMemTracker if isinstance(model, FSDPModule) else MemTracker
+
+
+class _Marks:
+    """The meter's additions (kept apart from the tracker's own state)."""
+
+    def __init__(self, blocks: dict[str, int]) -> None:
+        self.blocks = blocks  # the tracker's module names of the checkpointed blocks -> index
+        self.peak = 0
+        self.peak_snap: dict[str, int] = {}
+        self.peak_when = "-"
+        self.segment: str | None = None
+        self.segments: dict[str, int] = {}  # segment -> peak total bytes
+        self.marks: dict[str, int] = {}  # segment -> total bytes when it began
+        self.kept: dict[int, int] = {}  # block -> bytes alive after its forward minus before
+        self.fwd_start: dict[int, int] = {}
+        self.start = 0
+
+
+def _total(snap: dict[Any, dict[str, int]]) -> int:
+    return sum(dev.get(_TOTAL, 0) for dev in snap.values())
+
+
+def make_meter(model: nn.Module, optimizer: torch.optim.Optimizer | None, blocks: dict[str, int]) -> Any:
+    """A tracker of ``model`` (and ``optimizer``) that also records the additions of
+    Note [The simulated step is counted by torch's tracker]."""
+    base = _meter_class(model)
+
+    class _StepMeter(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            if base is FSDPMemTracker:
+                super().__init__(model, optimizer)
+            else:
+                super().__init__()
+            self.ac2 = _Marks(blocks)
+
+        def begin_step(self) -> None:
+            marks = self.ac2
+            marks.start = self.total()
+            marks.peak, marks.peak_snap, marks.peak_when = marks.start, self._flat(), "start of the step"
+            marks.segment, marks.segments, marks.marks = None, {}, {}
+            marks.kept, marks.fwd_start = {}, {}
+
+        def total(self) -> int:
+            return _total(self._curr_mem_snap)
+
+        def _flat(self) -> dict[str, int]:
+            out: dict[str, int] = {}
+            for dev in self._curr_mem_snap.values():
+                for k, v in dev.items():
+                    name = str(getattr(k, "value", k))  # a category enum, or "Total"
+                    out[name] = out.get(name, 0) + v
+            return out
+
+        def mark(self, segment: str) -> None:
+            now = self.total()
+            marks = self.ac2
+            marks.segment = segment
+            marks.marks.setdefault(segment, now)
+            marks.segments[segment] = max(marks.segments.get(segment, now), now)
+
+        def block_forward(self, k: int, begins: bool) -> None:
+            now = self.total()
+            if begins:
+                self.ac2.fwd_start[k] = now
+            elif k in self.ac2.fwd_start:
+                self.ac2.kept[k] = now - self.ac2.fwd_start[k]
+
+        def _where(self) -> str:
+            if self._in_opt:
+                return "optimizer step"
+            tracker = self._mod_tracker
+            found = [self.ac2.blocks[p] for p in tracker.parents if p in self.ac2.blocks]
+            phase = "backward" if tracker.is_bw else "forward"
+            if found:
+                return f"{phase} of block {max(found) if phase == 'forward' else min(found)}"
+            return f"{phase}, outside the blocks"
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            super()._update_peak_stats(peak_state)
+            now = self.total()
+            marks = self.ac2
+            if marks.segment is not None and now > marks.segments.get(marks.segment, 0):
+                marks.segments[marks.segment] = now
+            if now > marks.peak:
+                marks.peak, marks.peak_snap, marks.peak_when = now, deepcopy(self._flat()), self._where()
+
+    return _StepMeter()

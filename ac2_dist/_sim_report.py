@@ -1,0 +1,117 @@
+"""What ``ac2_dist.simulate`` reports per mode (:class:`ModeReport`), the table it prints,
+the named devices whose rates price recompute, and what it does not count."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ._sizes import human_bytes
+
+__all__ = ["DEVICES", "NOT_COUNTED", "ModeReport"]
+
+#: FLOP/s (16-bit, 32-bit dense matmul) and memory bytes/s of the named devices
+#: (vendor datasheet figures, SXM parts; fp32 without TF32, torch's default).
+DEVICES: dict[str, tuple[float, float, float]] = {
+    "h100": (989e12, 67e12, 3.35e12),
+    "h200": (989e12, 67e12, 4.8e12),
+    "a100": (312e12, 19.5e12, 2.039e12),
+    "cpu": (2.0e11, 2.0e11, 5.0e10),
+}
+
+#: What the simulation does not count, each with a typical size on a GPU.
+NOT_COUNTED: tuple[tuple[str, str], ...] = (
+    ("allocator fragmentation, reserved but unallocated blocks",
+     "0-10% of the peak (the figures are allocated bytes, torch.cuda.max_memory_allocated's scale)"),
+    ("NCCL communicator buffers and streams", "0.5-2 GiB per process group"),
+    ("the CUDA context and kernels (cuBLAS/cuDNN workspaces included)", "0.5-1 GiB per process"),
+    ("kernels' internal scratch (attention, reductions)", "a few MiB to a few hundred MiB"),
+    ("collective buffers held past their wait (gloo's worker threads, NCCL streams)",
+     "up to one or two blocks' unsharded parameters"),
+)
+
+# Categories of torch's trackers -> the rows the report shows.
+_ROWS = (
+    ("parameters (sharded) and buffers", ("Sharded Param", "Parameter", "Buffer")),
+    ("gradients", ("Sharded Grad", "Unsharded Grad", "Gradient")),
+    ("optimizer states", ("OptState", "Optstate")),
+    ("FSDP unsharded parameters, all-gather / reduce-scatter buffers", ("Unsharded Param", "All Gather",
+                                                                        "Reduce Scatter")),
+    ("activations (forward outputs alive)", ("Activation",)),
+    ("temporaries (backward and replay working set)", ("Temp",)),
+    ("inputs and other", ("Inputs", "Other")),
+)
+
+
+def rows(breakdown: dict[str, int]) -> dict[str, int]:
+    """A tracker's categories summed into the report's rows."""
+    out = {name: sum(breakdown.get(c, 0) for c in cats) for name, cats in _ROWS}
+    known = {c for _, cats in _ROWS for c in cats} | {"Total"}
+    other = sum(v for k, v in breakdown.items() if k not in known)
+    out["inputs and other"] += other
+    return out
+
+
+@dataclass
+class ModeReport:
+    """One simulated mode on the simulated rank.
+
+    Attributes:
+        name: ``"no AC"``, ``"full AC"``, ``"save: <ops>"`` or ``"target <size>"``.
+        peak_bytes: the rank's simulated peak (every tensor alive: parameters,
+            gradients, optimizer states, FSDP's buffers, activations, temporaries).
+        start_bytes: alive when the counted step began.
+        breakdown: the peak's bytes per category.
+        when: when the peak happens (``"forward of block 3"``, ``"backward of block 0"``,
+            ``"optimizer step"``, ...).
+        recompute_flops: FLOPs backward recomputes per step (the planner's cost model).
+        recompute_seconds: their estimated time on the named device (roofline).
+        kept_bytes: per block fqn, the bytes its forward leaves alive (its output included).
+        predicted_bytes: for a target, the peak model's prediction (the planner's
+            figure; ``peak_bytes`` is the simulated step running the plan).
+    """
+
+    name: str
+    peak_bytes: int
+    start_bytes: int
+    breakdown: dict[str, int]
+    when: str
+    recompute_flops: int = 0
+    recompute_seconds: float = 0.0
+    kept_bytes: dict[str, int] = field(default_factory=dict)
+    predicted_bytes: int | None = None
+
+
+def _short(when: str) -> str:
+    return (when.replace("backward of block ", "bwd block ").replace("forward of block ", "fwd block ")
+            .replace("backward, outside the blocks", "bwd, head/loss").replace("forward, outside the blocks",
+                                                                               "fwd, outside blocks")
+            .replace("predicted (peak model)", "(model)"))
+
+
+def format_table(modes: list[ModeReport], head: str) -> str:
+    """The report's table: one column per mode."""
+    names = [m.name for m in modes]
+    width = max([12] + [len(n) for n in names] + [len(_short(m.when)) for m in modes]) + 2
+    label = 64
+    lines = [head, "", f"{'':<{label}}" + "".join(f"{n:>{width}}" for n in names)]
+
+    def row(title: str, cells: list[str]) -> None:
+        lines.append(f"{title:<{label}}" + "".join(f"{c:>{width}}" for c in cells))
+
+    row("peak on the rank", [human_bytes(m.peak_bytes) for m in modes])
+    if any(m.predicted_bytes is not None for m in modes):
+        row("  peak model's prediction (target)", ["-" if m.predicted_bytes is None else human_bytes(m.predicted_bytes)
+                                                   for m in modes])
+    row("  when", [_short(m.when) for m in modes])
+    per_mode = [rows(m.breakdown) for m in modes]
+    for name, _ in _ROWS:
+        row("  " + name, [human_bytes(r[name]) for r in per_mode])
+    row("alive when the step begins", [human_bytes(m.start_bytes) for m in modes])
+    row("kept by the blocks' forwards (sum)", [human_bytes(sum(m.kept_bytes.values())) for m in modes])
+    row("recompute per step, GFLOP", [f"{m.recompute_flops / 1e9:.3f}" for m in modes])
+    row("recompute per step, estimated ms", [f"{m.recompute_seconds * 1e3:.3f}" for m in modes])
+    lines.append("")
+    lines.append("Not counted (allocated-bytes scale; add these to compare with nvidia-smi):")
+    for what, size in NOT_COUNTED:
+        lines.append(f"  - {what}: {size}")
+    return "\n".join(lines)

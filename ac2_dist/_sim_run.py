@@ -1,0 +1,168 @@
+"""One simulated training step of one mode (no AC, full AC, a save list, a plan) for rank
+r of a world of W ranks, in this process, holding no data (Note [A step without data]).
+
+Note [A step without data]
+    The process joins torch's fake process group (``"fake"``: every collective returns
+    at once, allocating what the real one allocates). The model is built on the meta
+    device, checkpointed by ac2 and wrapped (FSDP2) as the user's script does, then
+    materialized under ``FakeTensorMode`` (``to_empty``): parameters, inputs and every
+    op's output are fake tensors (shapes, dtypes, storages; no bytes). Two steps run:
+    the first creates the optimizer's states (AdamW's are lazy) and calibrates ac2's
+    blocks; the second is the one counted (Note [The simulated step is counted by
+    torch's tracker] in _sim_meter.py). The ops dispatched are the CPU ops of the
+    dtype asked for (the simulation runs on CPU kernels' dispatch: on CUDA, attention
+    dispatches to other kernels whose saved tensors may differ by a few per cent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses import FakeTensorMode
+
+from ._block_problem import Plan, _CostModel, _Problem
+from ._budget_region import _BudgetRegion
+from ._modules import _select, apply_ac
+from ._sim_meter import make_meter
+from .budget import MemoryBudget
+
+__all__: list[str] = []
+
+
+@dataclass
+class _Spec:
+    """What to simulate (built by :func:`ac2_dist.simulate.simulate`)."""
+
+    build: Callable[[], nn.Module]
+    blocks: Any  # apply_ac's ``modules``
+    shard: Callable[[nn.Module], None] | None
+    batch: Callable[[], Any]
+    loss: Callable[[nn.Module, Any], torch.Tensor]
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None
+    rates: tuple[float, float]  # FLOP/s, bytes/s of the device recompute is priced for
+
+
+@dataclass
+class _Run:
+    """What one simulated mode measured (bytes are totals on the rank)."""
+
+    peak: int
+    start: int  # alive when the counted step began
+    breakdown: dict[str, int]  # category -> bytes at the peak
+    when: str
+    kept: dict[int, int]  # block -> bytes its forward left alive
+    fqns: list[str]  # the checkpointed blocks, forward order (ac2's fqns)
+    segments: dict[str, int] = field(default_factory=dict)  # planner segment -> peak total
+    fwd0: int = 0  # total when block 0's forward began
+    problems: dict[tuple, _Problem] = field(default_factory=dict)  # structure -> its problem (full AC)
+    structure: dict[str, tuple] = field(default_factory=dict)  # fqn -> its structure (full AC)
+
+
+class _Recorder(MemoryBudget):
+    """``MemoryBudget(0)`` ("recompute_all") that keeps each block's problem, prices ops
+    for the simulated device and marks the planner's segments; with ``plans`` its
+    blocks follow them instead (a plan being simulated)."""
+
+    def __init__(self, rates: tuple[float, float], plans: dict[str, Plan] | None = None) -> None:
+        super().__init__(0.0)
+        self.rates = rates
+        self.meter: Any = None
+        self.problems: dict[tuple, _Problem] = {}  # structure -> its problem
+        self.structure: dict[str, tuple] = {}  # fqn -> the structure its last call ran
+        self.order: list[str] = []
+        if plans:
+            self._set_plans(plans)
+
+    def new_region_policy(self, module_fqn: str) -> _BudgetRegion:
+        return _SimRegion(self, module_fqn)
+
+    def _adopt(self, fqn: str, problem: _Problem) -> Plan:
+        self.problems[problem.signature] = problem
+        return super()._adopt(fqn, problem)
+
+    def _cost_model(self, device: torch.device) -> _CostModel:
+        return _CostModel(device, *self.rates)
+
+
+class _SimRegion(_BudgetRegion):
+    def region_enter(self, graph: Any) -> None:
+        super().region_enter(graph)
+        rec = self.budget
+        meter = rec.meter  # type: ignore[attr-defined]
+        if graph is None or meter is None:
+            return
+        order = rec.order  # type: ignore[attr-defined]
+        if self.fqn not in order:
+            order.append(self.fqn)
+        k = order.index(self.fqn)
+        meter.mark(f"fwd:{k}")
+        graph.on_backward = lambda _g, k=k: meter.mark(f"bwd:{k}")
+
+    def region_exit(self, graph: Any, failed: bool) -> None:
+        super().region_exit(graph, failed)
+        signature = self.problem_signature or (self.plan.signature if self.plan is not None else None)
+        if signature is not None and not failed:
+            self.budget.structure[self.fqn] = signature  # type: ignore[attr-defined]
+
+
+def _tracker_names(model: nn.Module, fqns: Iterable[str]) -> dict[str, int]:
+    root = type(model).__name__
+    return {f"{root}.{f}" if f else root: k for k, f in enumerate(fqns)}
+
+
+def run_mode(spec: _Spec, policy: Any) -> _Run:
+    """Simulate two steps under ``policy`` (None: no AC; a list of ops; a
+    :class:`_Recorder`) and count the second (Note [A step without data])."""
+    with torch.device("meta"):
+        model = spec.build()
+    recorder = policy if isinstance(policy, _Recorder) else None
+    if policy is not None:
+        apply_ac(model, policy, modules=spec.blocks)
+    fqns = [name for name, _ in _select(model, spec.blocks)]
+    if spec.shard is not None:
+        spec.shard(model)
+    modules = dict(model.named_modules())
+    meter_ref: list[Any] = []
+    hooks = []
+    for k, f in enumerate(fqns):
+        m = modules[f]
+        # after FSDP's pre-forward (its all-gather) and before its post-forward (its reshard)
+        hooks.append(m.register_forward_pre_hook(lambda *_a, k=k: meter_ref[0].block_forward(k, True)))
+        hooks.append(m.register_forward_hook(lambda *_a, k=k: meter_ref[0].block_forward(k, False), prepend=True))
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        model.to_empty(device="cpu")
+        batch = spec.batch()
+        opt = spec.optimizer(model.parameters()) if spec.optimizer is not None else None
+        meter = make_meter(model, opt, _tracker_names(model, fqns))
+        meter_ref.append(meter)
+        meter.track_external(*[t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)])
+        for step in range(2):
+            with meter:
+                if step == 1:
+                    meter.begin_step()
+                    if recorder is not None:
+                        recorder.meter, recorder.order = meter, list(fqns)
+                loss = spec.loss(model, batch)
+                loss.backward()
+                del loss
+                if opt is not None:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                else:
+                    model.zero_grad(set_to_none=True)
+                meter.reset_mod_stats()
+    for h in hooks:
+        h.remove()
+    marks = meter.ac2
+    run = _Run(marks.peak, marks.start, dict(marks.peak_snap), marks.peak_when, dict(marks.kept), fqns)
+    if recorder is not None:
+        run.segments = dict(marks.segments)
+        run.fwd0 = marks.marks.get("fwd:0", marks.start)
+        run.problems = dict(recorder.problems)
+        run.structure = dict(recorder.structure)
+    return run

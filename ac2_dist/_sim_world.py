@@ -1,0 +1,54 @@
+"""The fake world a simulation runs in: torch's fake process group for W ranks in this
+process (Note [A step without data] in _sim_run.py), and the per-block FSDP2 wrapping
+of the command line."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+__all__: list[str] = []
+
+
+@contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """This process as rank ``rank`` of ``world_size`` under the ``"fake"`` backend
+    (collectives return at once); the group is destroyed on exit."""
+    if dist.is_initialized():
+        raise RuntimeError("ac2_dist.simulate: a process group is already initialized in this process; the "
+                           "simulation creates its own fake one: run it in a process of its own (not inside "
+                           "the training job)")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def per_block_shard(blocks: Any, world_size: int, shard_size: int | None) -> Callable[[nn.Module], None]:
+    """``fully_shard`` each selected block, then the root (HSDP over a
+    ``(world_size / shard_size, shard_size)`` mesh when ``shard_size`` is given)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from ._modules import _select
+
+    def shard(model: nn.Module) -> None:
+        kwargs: dict[str, Any] = {}
+        if shard_size is not None and shard_size != world_size:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            kwargs["mesh"] = init_device_mesh("cpu", (world_size // shard_size, shard_size),
+                                              mesh_dim_names=("replicate", "shard"))
+        for _, m in _select(model, blocks):
+            fully_shard(m, **kwargs)
+        fully_shard(model, **kwargs)
+
+    return shard
+
+

@@ -1,0 +1,294 @@
+"""Plan a W-rank FSDP2 step from one CPU: what rank r holds at its peak, for no AC, full
+AC, a save list or a peak target, without a GPU and without the data::
+
+    from ac2_dist.simulate import simulate
+
+    report = simulate(build_model, batch=make_batch, blocks=[Block], world_size=64,
+                      modes=["none", "full"], target="70GiB", device="h100")
+    print(report.format())
+    report.save_plan("plan.json")   # the job: MemoryBudget(peak="70GiB", plan="plan.json")
+
+or from the shell::
+
+    python -m ac2_dist.simulate --hf-config config.json --world-size 64 --batch 2 \\
+        --seq 8192 --dtype bf16 --target 70GiB --device h100 --plan-out plan.json
+
+The step runs in this process on fake tensors under torch's fake process group; torch's
+memory tracker (``torch.distributed._tools``) counts what it holds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _sim_plan
+from ._peak_model import _solve
+from ._sim_report import DEVICES, NOT_COUNTED, ModeReport, format_table
+from ._sim_run import _Recorder, _Run, _Spec, run_mode
+from ._sim_world import fake_world, per_block_shard
+from ._sizes import human_bytes, parse_size
+
+__all__ = ["DEVICES", "NOT_COUNTED", "ModeReport", "SimulationReport", "simulate"]
+
+
+class SimulationReport:
+    """What :func:`simulate` found for one rank: one :class:`ModeReport` per mode.
+
+    ``format()`` renders the table; ``plan(target)`` solves the peak planner's problem
+    on the simulated blocks; ``save_plan(path)`` writes the plan for
+    ``MemoryBudget(peak=..., plan=path)``.
+    """
+
+    def __init__(self, spec: _Spec, world_size: int, rank: int, device: str, modes: list[ModeReport],
+                 floor: _Run | None) -> None:
+        self.world_size = world_size
+        self.rank = rank
+        self.device = device
+        self.modes = modes
+        self._spec = spec
+        self._floor = floor
+        self._plan: dict[str, Any] | None = None
+
+    def mode(self, name: str) -> ModeReport:
+        """The report of the mode named ``name`` (``"no AC"``, ``"full AC"``, ...)."""
+        for m in self.modes:
+            if m.name == name:
+                return m
+        raise KeyError(f"ac2_dist.simulate: no mode {name!r} in this report (it has "
+                       f"{', '.join(m.name for m in self.modes)})")
+
+    def format(self) -> str:
+        """The table: per mode the rank's peak, its breakdown, when it happens, the
+        recompute FLOPs and their estimated time, and what is not counted."""
+        head = (f"ac2_dist.simulate: rank {self.rank} of {self.world_size}, recompute priced for "
+                f"{self.device}")
+        return format_table(self.modes, head)
+
+    def plan(self, target: int | str, *, check: bool = True) -> ModeReport:
+        """Solve for a peak ``target`` (bytes or ``"70GiB"``) on the simulated blocks
+        (the planner of ``MemoryBudget(peak=...)``, from the simulated floor step) and,
+        with ``check``, simulate a step that runs the plan. The plan is what
+        :meth:`save_plan` writes. Raises ValueError if the target is below the
+        simulated floor, naming both."""
+        floor = self._floor
+        if floor is None or not floor.problems:
+            raise ValueError("ac2_dist.simulate: no checkpointed block was simulated (pass blocks=...)")
+        nbytes = parse_size(target, "target")
+        fqns = floor.fqns
+        options = [_options(floor, f) for f in fqns]
+        bases = {s: v - floor.fwd0 for s, v in floor.segments.items()}
+        floor_peak = floor.fwd0 + max(bases.values())
+        choice = _solve(options, bases, nbytes - floor.fwd0)
+        if choice is None or floor_peak > nbytes:
+            raise ValueError(
+                f"ac2_dist.simulate: target={target!r} ({nbytes} bytes) is below the simulated floor of rank "
+                f"{self.rank} ({human_bytes(floor_peak)}, {floor_peak} bytes: full AC in every block). Raise the "
+                f"target, shard over more ranks, or lower the batch size or sequence length")
+        dks = [o[i].dk for o, i in zip(options, choice)]
+        predicted = floor.fwd0 + max(base + sum(dks[:int(s.split(":")[1]) + 1]) for s, base in bases.items())
+        chosen = [o[i] for o, i in zip(options, choice)]
+        name = f"target {target}" if isinstance(target, str) else f"target {human_bytes(nbytes)}"
+        report = ModeReport(name, predicted, floor.start, {}, "predicted (peak model)",
+                            sum(o.flops for o in chosen), sum(o.seconds for o in chosen), {}, predicted)
+        if check:
+            plans = {f: floor.problems[floor.structure[f]].make_plan(_NoBudget(), o.saved)
+                     for f, o in zip(fqns, chosen)}
+            with fake_world(self.world_size, self.rank):
+                run = run_mode(self._spec, _Recorder(self._spec.rates, plans))
+            report.peak_bytes, report.breakdown, report.when = run.peak, run.breakdown, run.when
+            report.kept_bytes = {fqns[k]: v for k, v in run.kept.items()}
+        meta = {"target": nbytes, "predicted_peak": predicted, "step_start": floor.fwd0,
+                "world_size": self.world_size, "rank": self.rank,
+                "device": self.device, "torch": torch.__version__}
+        self._plan = _sim_plan.dump(fqns, floor.structure, floor.problems, tuple(choice), bases, meta)
+        self.modes = [m for m in self.modes if m.name != name] + [report]
+        return report
+
+    def save_plan(self, path: str, target: int | str | None = None) -> None:
+        """Write the plan of the last :meth:`plan` call (or of ``target``) as a JSON file
+        for ``MemoryBudget(peak=..., plan=path)`` (versioned; keyed by module fqn and
+        block structure)."""
+        if target is not None:
+            self.plan(target, check=False)
+        if self._plan is None:
+            raise ValueError("ac2_dist.simulate: no plan to save; call report.plan(target) first or pass target=")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self._plan, f)
+
+
+class _NoBudget:
+    """The budget a plan is made for outside a job (a plan file's blocks)."""
+
+    _planner = None
+
+
+def _options(floor: _Run, fqn: str) -> list:
+    problem = floor.problems[floor.structure[fqn]]
+    opts = getattr(problem, "_sim_options", None)
+    if opts is None:
+        opts = problem.frontier()
+        problem._sim_options = opts  # type: ignore[attr-defined]
+    return opts
+
+
+def _recompute(floor: _Run, saved_ops: Sequence[Any] | None) -> tuple[int, float]:
+    """(FLOPs, seconds) the blocks recompute: at the floor (``None``) or saving the
+    outputs of ``saved_ops``."""
+    flops, seconds = 0, 0.0
+    for f in floor.fqns:
+        problem = floor.problems.get(floor.structure.get(f, ()))
+        if problem is None:
+            continue
+        saved: frozenset = frozenset()
+        if saved_ops is not None:
+            wanted = set(saved_ops)
+            saved = frozenset(r.seq for r in problem.records.values()
+                              if r.op in wanted or getattr(r.op, "_overloadpacket", None) in wanted)
+        _, sec, recomputed = problem.evaluate(saved)
+        flops += sum(problem.records[s].flops for s in recomputed)
+        seconds += sec
+    return flops, seconds
+
+
+def _mode_name(mode: Any) -> str:
+    if mode == "none":
+        return "no AC"
+    if mode == "full":
+        return "full AC"
+    return "save: " + ",".join(str(getattr(op, "__name__", op)).split(".")[0] for op in mode)
+
+
+def _report(name: str, run: _Run) -> ModeReport:
+    return ModeReport(name, run.peak, run.start, run.breakdown, run.when,
+                      kept_bytes={run.fqns[k]: v for k, v in run.kept.items()})
+
+
+def _rates(device: str | tuple[float, float], dtype: torch.dtype) -> tuple[float, float]:
+    if isinstance(device, tuple):
+        if len(device) != 2 or not all(isinstance(v, (int, float)) and v > 0 for v in device):
+            raise ValueError(f"ac2_dist.simulate: device=(FLOP/s, bytes/s) must be two positive numbers, got {device!r}")
+        return float(device[0]), float(device[1])
+    rates = DEVICES.get(str(device).lower())
+    if rates is None:
+        raise ValueError(f"ac2_dist.simulate: unknown device {device!r}; name one of {', '.join(DEVICES)} or pass "
+                         f"(FLOP/s, bytes/s)")
+    half = dtype in (torch.bfloat16, torch.float16)
+    return rates[0] if half else rates[1], rates[2]
+
+
+def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    out = model(**batch) if isinstance(batch, dict) else model(*batch) if isinstance(batch, (tuple, list)) \
+        else model(batch)
+    loss = getattr(out, "loss", None)
+    if loss is None:
+        loss = (out[0] if isinstance(out, (tuple, list)) else out).float().mean()
+    return loss
+
+
+def _adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def simulate(
+    build: Callable[[], nn.Module],
+    *,
+    batch: Callable[[], Any],
+    blocks: Any,
+    world_size: int,
+    rank: int = 0,
+    fsdp: str | Callable[[nn.Module], None] | None = "per-block",
+    shard_size: int | None = None,
+    loss: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = _adamw,
+    modes: Sequence[Any] = ("none", "full"),
+    target: int | str | None = None,
+    device: str | tuple[float, float] = "h100",
+    dtype: torch.dtype = torch.float32,
+) -> SimulationReport:
+    """Simulate one training step of rank ``rank`` of a ``world_size``-rank job.
+
+    Args:
+        build: builds the model (called on the meta device: nothing is allocated).
+        batch: builds one batch (called under fake tensors): a tensor, a tuple of
+            positional inputs or a dict of keyword inputs.
+        blocks: the modules to checkpoint, as ``apply_ac``'s ``modules`` (types or a
+            predicate).
+        world_size: ranks of the job; ``rank``: the rank simulated.
+        fsdp: ``"per-block"`` (``fully_shard`` each block, then the root), a function
+            that wraps the model as the job's script does, or None (no sharding).
+        shard_size: with ``"per-block"``, shard over groups of this many ranks and
+            replicate across groups (HSDP); ``world_size`` must be a multiple of it.
+        loss: ``(model, batch) -> loss`` (default: the output's ``.loss``, else the mean
+            of the output).
+        optimizer: ``params -> optimizer`` (default AdamW), or None.
+        modes: any of ``"none"``, ``"full"``, or a list of ops to save (a policy).
+        target: a peak target (bytes or ``"70GiB"``): adds the planned mode
+            (:meth:`SimulationReport.plan`).
+        device: a named device (a key of ``DEVICES``) or ``(FLOP/s, bytes/s)``: the rates
+            recompute is priced with.
+        dtype: the dtype the model computes in (picks the device's FLOP rate).
+
+    Raises ValueError before any step runs for a world size, rank, shard size, device
+    or target that cannot be used, and after the floor step for a target below it.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"ac2_dist.simulate: world_size must be a positive int, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"ac2_dist.simulate: rank must be in [0, {world_size}), got {rank!r}")
+    if shard_size is not None:
+        if fsdp != "per-block":
+            raise ValueError("ac2_dist.simulate: shard_size applies to fsdp='per-block'")
+        if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1 \
+                or world_size % shard_size:
+            raise ValueError(f"ac2_dist.simulate: world_size={world_size} is not a multiple of shard_size="
+                             f"{shard_size!r}: the mesh would be ({world_size} / {shard_size}) x {shard_size}; "
+                             f"pick a shard size that divides the world size")
+    if fsdp is not None and fsdp != "per-block" and not callable(fsdp):
+        raise ValueError(f"ac2_dist.simulate: fsdp must be 'per-block', a function or None, got {fsdp!r}")
+    rates = _rates(device, dtype)
+    nbytes = parse_size(target, "target") if target is not None else None
+    wanted = list(modes)
+    for m in wanted:
+        if m not in ("none", "full") and not (isinstance(m, (list, tuple)) and m):
+            raise ValueError(f"ac2_dist.simulate: a mode is 'none', 'full' or a non-empty list of ops to save, "
+                             f"got {m!r}")
+    shard = fsdp if callable(fsdp) else (
+        per_block_shard(blocks, world_size, shard_size) if fsdp == "per-block" else None)
+    spec = _Spec(build, blocks, shard, batch, loss or _default_loss, optimizer, rates)
+    reports: list[ModeReport] = []
+    floor: _Run | None = None
+    need_floor = nbytes is not None or any(m != "none" for m in wanted)
+    with fake_world(world_size, rank):
+        if need_floor:
+            floor = run_mode(spec, _Recorder(rates))
+        for m in wanted:
+            if m == "full":
+                run = floor
+            else:
+                run = run_mode(spec, None if m == "none" else list(m))
+            assert run is not None
+            r = _report(_mode_name(m), run)
+            if m != "none" and floor is not None:
+                r.recompute_flops, r.recompute_seconds = _recompute(floor, None if m == "full" else list(m))
+            reports.append(r)
+    report = SimulationReport(spec, world_size, rank, device if isinstance(device, str) else "custom", reports,
+                              floor)
+    if nbytes is not None:
+        report.plan(target)  # type: ignore[arg-type]
+    return report
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """``python -m ac2_dist.simulate``: the command line (``--help`` lists it)."""
+    from ._sim_cli import main
+
+    return main(simulate, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

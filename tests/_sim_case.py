@@ -1,0 +1,160 @@
+"""The small case the simulation is checked on: a tiny Llama under FSDP2 per block, its
+simulated figures (``ac2_dist.simulate``) and the same step measured on real gloo ranks
+(the CPU allocator's events, FLOPs counted by a dispatch mode), independently of ac2's
+reports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+VOCAB, HIDDEN, INTER, LAYERS, HEADS = 512, 128, 384, 3, 4
+BATCH, SEQ = 2, 64
+SAVE = [torch.ops.aten.mm.default]  # the save-list mode
+
+
+def config() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+                       num_attention_heads=HEADS, num_key_value_heads=HEADS, attn_implementation="sdpa")
+
+
+def build() -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(config()).train()
+
+
+def batch() -> dict:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    return {"input_ids": ids, "labels": ids}
+
+
+def block_type() -> type:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return LlamaDecoderLayer
+
+
+def _alive(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict) -> int:
+    """Bytes of every storage the step starts with: parameters (local shards), buffers,
+    optimizer states, the batch (each storage once)."""
+    seen: dict[int, int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            if hasattr(t, "to_local"):
+                t = t.to_local()
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+
+    for p in model.parameters():
+        add(p)
+        add(p.grad)
+    for buf in model.buffers():
+        add(buf)
+    for state in opt.state.values():
+        for v in state.values():
+            add(v)
+    for v in b.values():
+        add(v)
+    return sum(seen.values())
+
+
+class _Flops(torch.utils._python_dispatch.TorchDispatchMode):
+    """FLOPs of every op dispatched (torch's formula registry; CPU flash attention with
+    the CUDA kernel's formula, as ac2's cost model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.flop_counter import flop_registry
+
+        from ac2_dist._block_problem import _FLOP_ALIASES
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        formula = flop_registry.get(_FLOP_ALIASES.get(packet, packet))
+        if formula is not None:
+            self.flops += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict) -> None:
+    loss = model(**b).loss
+    loss.backward()
+    del loss
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _measure_mode(mode: str, plan: str | None, target: int | None) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    import ac2_dist as ac
+    from ac2_dist._alloc import AllocationTrace
+
+    torch.manual_seed(0)
+    model = build()
+    budget = None
+    if mode == "full":
+        ac.apply_ac(model, "recompute_all", modules=[block_type()])
+    elif mode == "save":
+        ac.apply_ac(model, list(SAVE), modules=[block_type()])
+    elif mode == "plan":
+        budget = ac.MemoryBudget(peak=target, plan=plan)
+        ac.apply_ac(model, budget, modules=[block_type()])
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    torch.manual_seed(1)
+    b = batch()
+    if mode == "plan":  # steps 1-3 measured: step 1 follows the file, the planner verifies from there
+        peaks = []
+        for _ in range(3):
+            start = _alive(model, opt, b)
+            with AllocationTrace() as trace:
+                _step(model, opt, b)
+            peaks.append(start + trace.whole.peak_bytes)
+            if len(peaks) == 1:
+                calibrations = budget._calibrations
+        history = [(r.step, r.what, r.predicted, r.measured, r.note) for r in budget.peak_planner.history]
+        return {"peaks": peaks, "calibrations": calibrations, "calibrations_after": budget._calibrations,
+                "history": history, "state": budget.peak_planner.state}
+    _step(model, opt, b)  # step 1 creates the optimizer's states; steps 2-6 are measured
+    peaks = []
+    for _ in range(5):
+        start = _alive(model, opt, b)
+        with AllocationTrace() as trace:
+            _step(model, opt, b)
+        peaks.append(start + trace.whole.peak_bytes)
+    # Note [A measured CPU step varies with gloo's threads] in tests/test_simulate.py
+    out: dict[str, Any] = {"peak": min(peaks), "peaks": peaks, "start": start}
+    counter = _Flops()
+    with counter:
+        loss = model(**b).loss
+        loss.backward()
+    del loss
+    out["flops"] = counter.flops
+    return out
+
+
+def measure_rank(rank: int, world: int, modes: list[str], plan: str | None = None,
+                 target: int | None = None) -> dict:
+    """Per mode: the absolute peaks of steps 2-6 (``"plan"``: of steps 1-3, step 1 the plan
+    file's) on this rank, the bytes alive when the last began, and the FLOPs of one
+    forward + backward."""
+    return {mode: _measure_mode(mode, plan, target) for mode in modes}
+
+
+def simulated(modes: list[Any], target: Any = None) -> Any:
+    from ac2_dist.simulate import simulate
+
+    return simulate(build, batch=batch, blocks=[block_type()], world_size=2, rank=0, modes=modes, target=target,
+                    device="cpu")
