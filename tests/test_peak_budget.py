@@ -73,12 +73,12 @@ def test_peak_targets_hold_from_step_1_converge_and_order_recompute(make):
             warnings.simplefilter("error")  # a feasible target never warns
             for step in range(STEPS):
                 peak, grads = peak_from(model, first(model), loss_fn)
-                assert peak <= target * TOLERANCE, (f, step + 1, peak, target, budget.format_plan())
+                assert peak <= target * TOLERANCE, (f, step + 1, peak, target, budget.format_plan(detail=True))
                 assert_bitwise(want, grads)
                 plans.append(_decisions(budget, fqns))
         # Converged: steps 3-5 follow identical saved sets (a measured step is used when
         # the next one begins, so plans[k] is what step k+1 followed).
-        assert plans[2] == plans[3] == plans[4], budget.format_plan()
+        assert plans[2] == plans[3] == plans[4], budget.format_plan(detail=True)
         planner = budget.peak_planner
         assert planner.state == "settled", planner.describe()
         assert planner.floor_peak == floor_peak, planner.describe()  # the planner's own reading
@@ -141,7 +141,7 @@ def test_the_planner_measures_on_its_own_and_leaves_no_profiler_running():
     peak, _ = peak_from(model, first(model), loss_fn)  # an independent reading of the settled plan
     assert peak <= target * TOLERANCE
     assert peak >= 0.85 * target
-    text = budget.format_plan()
+    text = budget.format_plan(detail=True)
     for what in ("peak target", "floor (measured)", "predicted", "measured", "layers.0", "saved"):
         assert what in text, text
     # memory.track reports the target, the predicted and the measured peak per planned module.
@@ -153,6 +153,31 @@ def test_the_planner_measures_on_its_own_and_leaves_no_profiler_running():
     assert entry["peak_predicted_bytes"] == planner.predicted
     assert 0 < entry["peak_measured_bytes"] <= target * TOLERANCE
     assert "step peak target" in ac.memory.format_table([tracker.report()])
+
+
+def test_format_plan_is_a_short_summary_with_the_detail_on_request():
+    """Issue 41: format_plan() printed 117 lines for 4 blocks; its summary has the same few
+    lines for 4 blocks and for 8, the full text is format_plan(detail=True)."""
+
+    def run(blocks):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[_MLP() for _ in range(blocks)])
+        budget = ac.MemoryBudget(peak="3MiB")
+        ac.apply_ac(model, budget, modules=[_MLP])
+        for _ in range(4):
+            model(torch.randn(256, 64)).sum().backward()
+        budget.close()
+        return budget.format_plan(), budget.format_plan(detail=True)
+
+    (four, four_detail), (eight, eight_detail) = run(4), run(8)
+    assert len(four.splitlines()) == len(eight.splitlines()) <= 6, (four, eight)
+    for what in ("peak target 3.0 MiB", "settled", "floor (measured)", "predicted", "measured", "saved above the floor",
+                 "op outputs saved", "recomputed", "estimated recompute", "detail=True"):
+        assert what in four, (what, four)
+    assert "4 planned modules" in four and "8 planned modules" in eight
+    assert "aten." not in four and "0: budget" not in four
+    assert four_detail.startswith(four.splitlines()[0]) and "0: budget" in four_detail and "7: budget" in eight_detail
+    assert len(eight_detail.splitlines()) > len(four_detail.splitlines()) > 2 * len(four.splitlines())
 
 
 def test_the_plan_survives_a_step_in_another_structure():
@@ -363,7 +388,7 @@ def _dist_run(rank, world, kind, fractions):
             plans.append([budget.plan(f"layers.{i}").decisions for i in range(4)])
         out["runs"].append({"target": target, "peaks": peaks, "bitwise": bitwise,
                             "plans": [[[d.name for d in p] for p in step] for step in plans],
-                            "state": budget.peak_planner.state, "describe": budget.format_plan()})
+                            "state": budget.peak_planner.state, "describe": budget.format_plan(detail=True)})
     return out
 
 
@@ -419,7 +444,7 @@ def _pipeline_rank(rank, world, schedule):
     planner = budget.peak_planner
     return {"state": planner.state, "choice": planner.choice, "profiler": torch._C._autograd._profiler_enabled(),
             "warnings": [str(w.message) for w in caught if "pipeline schedule" in str(w.message)],
-            "plan": budget.format_plan()}
+            "plan": budget.format_plan(detail=True)}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -503,6 +528,6 @@ def test_third_party_models_meet_the_target(name):
             warnings.simplefilter("error", RuntimeWarning)
             for step in range(STEPS):
                 peak, grads = peak_from(model, first(model), loss_fn)
-                assert peak <= target * TOLERANCE, (name, f, step + 1, peak, target, budget.format_plan())
+                assert peak <= target * TOLERANCE, (name, f, step + 1, peak, target, budget.format_plan(detail=True))
                 assert_bitwise(want, grads)
-        assert budget.peak_planner.state == "settled", budget.format_plan()
+        assert budget.peak_planner.state == "settled", budget.format_plan(detail=True)
