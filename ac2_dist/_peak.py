@@ -58,23 +58,7 @@ Note [The step's device]
     one is measured on the device an earlier step's regions decided, and the first
     such step is not measured.
 
-Note [One plan on every rank]
-    A replay of a nested FSDP unit unshards it (a collective), so ranks whose plans
-    differ could issue collectives in different orders. At every step start but the
-    first, every rank takes part in exactly one sync round (two MAX all-reduces over the
-    default process group: the length, then a fixed header -- settled?, unusable?, block
-    count, target, the allocated bytes the next step starts from -- and the segment
-    peaks), whatever it has to offer: a rank with no usable step says so, a settled
-    rank still joins until the round says every rank has settled, then none syncs
-    again. So the number of collectives is the number of step starts on every rank,
-    and with equal targets and equal block structures every rank runs the same
-    deterministic planner on the same numbers (the highest peak per segment) and gets
-    the same plan. Ranks with different targets (a callable) or block counts plan on
-    their own figures. Every rank must therefore run the same checkpointed forwards
-    under grad (as FSDP and DDP require anyway). A ``torch.distributed.pipelining``
-    stage reaches a step's first region when its schedule says, not when the other
-    stages do: the planner detects the stage (its frame on the stack, before any
-    collective), stays at the floor and never syncs.
+Note [One plan on every rank] (the sync round of every step start) is in _peak_step.py.
 """
 
 from __future__ import annotations
@@ -91,7 +75,7 @@ from ._alloc import AllocationTrace, active_trace
 from ._alloc_history import AllocatorHistory
 from ._block_problem import BlockBudget, Plan, _Option, _Problem
 from ._peak_model import _solve
-from ._peak_step import _Call, _missing, _Record, _Step
+from ._peak_step import _all_max, _Call, _missing, _Record, _Step
 from ._pipelining import pipeline_microbatch as _pipeline_microbatch
 from ._sizes import human_bytes as _human
 
@@ -616,24 +600,6 @@ class PeakPlanner:
 
 def _opt_human(n: int | None) -> str:
     return "-" if n is None else _human(n)
-
-
-def _all_max(values: list[int]) -> list[int]:
-    """Element-wise MAX over the default process group (Note [One plan on every rank]);
-    lists of different lengths are padded (the caller compares the lengths it sent)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend()):
-        device = torch.device("cuda", torch.cuda.current_device())
-    with _disable_current_modes(), torch.no_grad():
-        head = torch.tensor([len(values)], dtype=torch.int64, device=device)
-        dist.all_reduce(head, op=dist.ReduceOp.MAX)
-        longest = int(head.item())
-        t = torch.tensor(values + [-(2**62)] * (longest - len(values)), dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.tolist()
 
 
 def _under_pipelining() -> bool:
