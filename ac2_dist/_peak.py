@@ -58,7 +58,7 @@ Note [The step's device]
     one is measured on the device an earlier step's regions decided, and the first
     such step is not measured.
 
-Note [One plan on every rank] (the sync round of every step start) is in _peak_step.py.
+The sync round of every step start is Note [One plan on every rank] in _peak_step.py.
 """
 
 from __future__ import annotations
@@ -349,7 +349,7 @@ class PeakPlanner:
     def _update(self) -> None:
         """Use the latest step measured since the last call (Note [Verify, correct, stay
         put]). Until every rank has settled, every rank syncs exactly once here per step
-        start, whatever it has to offer (Note [One plan on every rank])."""
+        start, whatever it has to offer (Note [One plan on every rank] in _peak_step.py)."""
         ready, self._ready = self._ready, []
         waiting = [s for s in ready if s.trace is not None and not s.own_trace and s.peaks is None
                    and s.problem is None]  # someone else's trace still runs: read it later
@@ -381,7 +381,7 @@ class PeakPlanner:
             problem = "it was not traced"
         if problem is None:
             problem = _missing(segments, peaks) or self._followed(step)
-        # Note [One plan on every rank]: one round per step start on every rank.
+        # Note [One plan on every rank] (_peak_step.py): one round per step start on every rank.
         n = len(calls)
         unsettled = self.state != "settled"  # a settled rank measures nothing and vetoes nothing
         head = [int(unsettled), int(unsettled and problem is not None), n, -n, self.target, -self.target, now_abs]
