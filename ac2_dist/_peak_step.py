@@ -24,10 +24,13 @@ Note [One plan on every rank]
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ._alloc import AllocationTrace
@@ -61,13 +64,14 @@ class _Step:
     problem: str | None = None  # why it cannot be measured
     peaks: dict[str, int] | None = None  # segment -> peak above the step's start
     choice: Any = None  # the planner's choice when it began (what its blocks should follow)
+    at_model: bool = False  # it began at the model's forward (mark "start"), not at its first region
 
     def mark(self, what: str) -> None:
         if self.trace is not None:
             self.trace.plan_mark(self.prefix + what)
 
     def names(self) -> list[str]:
-        out = []
+        out = [f"{self.prefix}start"] if self.at_model else []
         for k in range(len(self.calls)):
             out += [f"{self.prefix}fwd:{k}", f"{self.prefix}bwd:{k}"]
         return out + [f"{self.prefix}end"]
@@ -78,12 +82,15 @@ class _Step:
             self.problem = self.problem or trace.problem
             return
         spans = trace.spans(self.names())
-        start = spans.get(f"{self.prefix}fwd:0")
-        if start is None:
+        start = spans.get(f"{self.prefix}{'start' if self.at_model else 'fwd:0'}")
+        if start is None or f"{self.prefix}fwd:0" not in spans:
             self.problem = self.problem or "its marks are missing from the allocation trace"
             return
         n = len(self.prefix)
         self.peaks = {name[n:]: peak - start[0] for name, (_, peak) in spans.items() if not name.endswith("end")}
+        # Note [What a peak target bounds] (_peak.py): from the model's forward to the first
+        # block (FSDP's root all-gather, the embedding) is part of the first block's segment.
+        self.peaks["fwd:0"] = max(self.peaks["fwd:0"], self.peaks.pop("start", 0))
         if not self.backward or not self.ended:
             self.problem = self.problem or "its backward did not complete while it was traced"
 
@@ -121,3 +128,42 @@ def _all_max(values: list[int]) -> list[int]:
         t = torch.tensor(values + [-(2**62)] * (longest - len(values)), dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
+
+
+class _ModelStart:
+    """The forward pre-hook :func:`_watch_model` leaves on the model: calls its planner's
+    ``model_forward`` while the planner lives. A copy or a pickle of the model (whose
+    budget is a new one, not watching it) gets one that does nothing."""
+
+    def __init__(self, begin: Callable[[nn.Module], None] | None = None) -> None:
+        self.begin = None if begin is None else weakref.WeakMethod(begin)  # type: ignore[arg-type]
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        call = None if self.begin is None else self.begin()
+        if call is not None:
+            call(module)
+
+    def __reduce__(self) -> tuple:
+        return (_ModelStart, ())
+
+
+def _watch_model(begin: Callable[[nn.Module], None], model: nn.Module) -> None:
+    """Call ``begin(model)`` first thing at each forward of ``model``, before the forward
+    pre-hooks that libraries register on it (FSDP's root all-gather; ``fully_shard``
+    usually comes after ``apply_ac`` and prepends its hook): a global pre-hook, run before
+    every module's own, catches the model's first call and then prepends a hook of the
+    model's own (Note [What a peak target bounds] in _peak.py). Holds neither strongly."""
+    target, own = weakref.ref(model), _ModelStart(begin)
+    handles: list[Any] = []
+
+    def first(module: nn.Module, args: Any) -> None:
+        watched = target()
+        if module is not watched and watched is not None and own.begin is not None and own.begin() is not None:
+            return
+        while handles:  # the model's first call, or the model or its planner is gone
+            handles.pop().remove()
+        if watched is not None and module is watched:
+            module.register_forward_pre_hook(own, prepend=True)
+            own(module, args)
+
+    handles.append(nn.modules.module.register_module_forward_pre_hook(first))

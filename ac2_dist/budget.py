@@ -56,7 +56,8 @@ class MemoryBudget:
             sets are planned together from what the first step measures, verified after
             each step and corrected until the measured peak fits (Notes in _peak.py).
             On CUDA the scale is ``torch.cuda.max_memory_allocated``'s; on CPU the peak
-            above what was allocated when the step's first checkpointed forward began.
+            above what was allocated when the step began: after ``apply_ac(model, ...)``
+            at ``model``'s forward, as ``memory.track(model)``'s peaks.
         strict: with ``peak``: a target below the measured floor raises (at the next
             forward) instead of warning once and running at the floor.
 
@@ -179,6 +180,13 @@ class MemoryBudget:
         it stops by itself. A later step measures again if the plan has not settled."""
         if self._planner is not None:
             self._planner.close()
+
+    def _watch_model(self, model: torch.nn.Module) -> None:
+        """``apply_ac(model, budget, ...)``: a peak target's steps begin at ``model``'s
+        forward, where ``memory.track(model)``'s do (Note [What a peak target bounds])."""
+        planner = self.peak_planner
+        if planner is not None:
+            planner.watch(model)
 
     # ---- regions ------------------------------------------------------------------------
     def new_region_policy(self, module_fqn: str) -> _BudgetRegion:
