@@ -57,9 +57,10 @@ Note [A profiler session of the user's]
 
 Note [The step's device]
     The planner measures on the device its blocks compute on (Note [The device comes
-    from the tensors] in _device.py): the model's (its parameters and buffers) for a
-    step that begins at its forward, else the device the first region of a step decided
-    when it entered (a checkpointed module's or a function region's). A ``with
+    from the tensors] in _device.py): the device the first region of a step decided
+    when it entered (a checkpointed module's or a function region's); a step begun at the
+    model's forward, the one earlier steps' regions decided (step 1: the one of the
+    model's arguments and tensors, ``device_of``). A ``with
     apply_ac_policy(...)`` block decides only when it exits; a step that begins with
     one is measured on the device an earlier step's regions decided, and the first
     such step is not measured.
@@ -81,7 +82,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ._alloc import AllocationTrace, active_trace
 from ._alloc_history import AllocatorHistory
 from ._block_problem import BlockBudget, Plan, _Option, _Problem
-from ._device import module_cuda_device
+from ._device import device_of
 from ._peak_model import _solve
 from ._peak_step import _all_max, _Call, _missing, _Record, _Step, _watch_model
 from ._pipelining import pipeline_microbatch as _pipeline_microbatch
@@ -188,7 +189,7 @@ class PeakPlanner:
             self._models.append(weakref.ref(model))
         _watch_model(self.model_forward, model)
 
-    def model_forward(self, model: torch.nn.Module) -> None:
+    def model_forward(self, model: torch.nn.Module, args: Any) -> None:
         """A watched model's forward begins: under grad and with no step open, a step
         begins here, measured from now (Note [What a peak target bounds]); else the
         step's first region decides, as without a watched model."""
@@ -201,9 +202,8 @@ class PeakPlanner:
                 step = None
             if step is not None or self.state == "pipelined" or self._error is not None:
                 return  # the regions see to it (an open step, a refused target)
-            device = module_cuda_device(model) or (torch.device("cpu") if any(
-                True for _ in model.parameters()) or any(True for _ in model.buffers()) else self.device)
-            if device is None or _pipeline_microbatch() is not None:
+            device = self.device or device_of(args, module=model)  # Note [The step's device]
+            if _pipeline_microbatch() is not None:
                 return
             self._update()
             if self._error is not None:

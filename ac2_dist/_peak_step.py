@@ -135,20 +135,20 @@ class _ModelStart:
     ``model_forward`` while the planner lives. A copy or a pickle of the model (whose
     budget is a new one, not watching it) gets one that does nothing."""
 
-    def __init__(self, begin: Callable[[nn.Module], None] | None = None) -> None:
+    def __init__(self, begin: Callable[[nn.Module, Any], None] | None = None) -> None:
         self.begin = None if begin is None else weakref.WeakMethod(begin)  # type: ignore[arg-type]
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         call = None if self.begin is None else self.begin()
         if call is not None:
-            call(module)
+            call(module, args)
 
     def __reduce__(self) -> tuple:
         return (_ModelStart, ())
 
 
-def _watch_model(begin: Callable[[nn.Module], None], model: nn.Module) -> None:
-    """Call ``begin(model)`` first thing at each forward of ``model``, before the forward
+def _watch_model(begin: Callable[[nn.Module, Any], None], model: nn.Module) -> None:
+    """Call ``begin(model, args)`` first thing at each forward of ``model``, before the forward
     pre-hooks that libraries register on it (FSDP's root all-gather; ``fully_shard``
     usually comes after ``apply_ac`` and prepends its hook): a global pre-hook, run before
     every module's own, catches the model's first call and then prepends a hook of the
