@@ -357,6 +357,9 @@ def apply_ac(
     for fqn, module in selected:
         wrap(module, policy, policy_factory=policy_factory, rng=rng,
              allow_cache_entry_mutation=allow_cache_entry_mutation, module_fqn=fqn, replay=config)
+    watch = getattr(policy, "_watch_model", None)  # a MemoryBudget(peak=...): steps begin at model's forward
+    if callable(watch):
+        watch(model)
     return model
 
 

@@ -6,13 +6,17 @@ together so that the rank's measured peak stays at or below N.
     print(budget.format_plan())
 
 Note [What a peak target bounds]
-    A *step* is one forward and the backward that consumes it: it begins when the
-    budget's first region of that forward enters and ends when that backward pass
-    completes. ``peak=N`` bounds the rank's peak allocated bytes during the step. On
-    CUDA, N is absolute (``memory_allocated()`` when the step began plus the peak above
-    it: the scale of ``torch.cuda.max_memory_allocated``); on CPU, where torch exposes
-    no allocated-bytes counter, N is the peak above what was allocated when the step
-    began (``memory.track``'s step starts at the model's forward, a little earlier). Everything the step allocates counts:
+    A *step* is one forward and the backward that consumes it. After ``apply_ac(model,
+    budget)`` it begins where ``memory.track(model)``'s does: when ``model``'s forward
+    begins, before its other forward pre-hooks (FSDP's root all-gather; _watch_model in
+    _peak_step.py), so the embedding and the unsharded root parameters count in both.
+    Without a model (``checkpoint``, ``apply_ac_policy``) it begins when the budget's
+    first region of the forward enters. It ends when that backward pass completes.
+    ``peak=N`` bounds the rank's peak allocated bytes during the step. On CUDA, N is
+    absolute (``memory_allocated()`` when the step began plus the peak above it: the
+    scale of ``torch.cuda.max_memory_allocated``); on CPU, where torch exposes no
+    allocated-bytes counter, N bounds the peak above what was allocated when the step
+    began: ``memory.track``'s peak forward and peak backward. Everything counts:
     the blocks' saved and recomputed values, gradients, FSDP's unsharded parameters and
     prefetches, the replay working set, the loss and its backward.
 
@@ -24,15 +28,16 @@ Note [Verify, correct, stay put]
     Within the target and using at least ``_USE`` of it (or saving everything there is
     to save): converged. Over the target: each segment's base is raised to what the
     step implies (measured minus the plan's ``dk``) and the plan is solved again. Under
-    by more than ``1 - _USE``: the bases become what the step implies (a plan that
-    saves more from there is predicted conservatively: a save adds at most its bytes)
-    and the plan is solved again. After ``_TRIES`` planned steps the planner keeps the
-    cheapest plan whose measured peak was within the target (the floor if none was) and
-    stops measuring: it converges within three steps (floor, plan, corrected plan) and
-    the saved sets do not change afterwards. A step that cannot be measured (on CPU a
-    profiler session ac2 did not start is running, Note [A profiler session of the
-    user's]; a forward ran without its backward, steps
-    overlapped as under pipeline schedules, a block ran twice in one step, the blocks
+    by more than ``1 - _USE``: the bases become what the step implies and the plan is
+    solved again. A corrected plan is solved for the target less the largest candidate
+    output: another saved set changes a replay's working set, which no step measured
+    (GPT-2: +48 KiB, 3 % of the target). After ``_TRIES`` planned steps the planner
+    keeps the cheapest plan whose measured peak was within the target (the floor if
+    none was) and stops measuring: it converges within three steps (floor, plan,
+    corrected plan) and the saved sets do not change afterwards. A step that cannot be
+    measured (on CPU a profiler session ac2 did not start is running, Note [A profiler
+    session of the user's]; a forward ran without its backward, steps overlapped as
+    under pipeline schedules, a block ran twice in one step, the blocks
     ran another structure or plan than the one being verified) changes nothing; the
     planner stays at its current plan and says why in :meth:`describe`; after
     ``_UNMEASURED`` step starts in a row without a usable step it stops measuring.
@@ -52,35 +57,21 @@ Note [A profiler session of the user's]
 
 Note [The step's device]
     The planner measures on the device its blocks compute on (Note [The device comes
-    from the tensors] in _device.py): the device the first region of a step decided
-    when it entered (a checkpointed module's or a function region's). A ``with
-    apply_ac_policy(...)`` block decides only when it exits; a step that begins with
-    one is measured on the device an earlier step's regions decided, and the first
-    such step is not measured.
+    from the tensors] in _device.py): the device the first region of a step decided when
+    it entered (a checkpointed module's or a function region's); a step begun at the
+    model's forward, the one earlier steps' regions decided (step 1: the one of the
+    model's arguments and tensors, ``device_of``). A ``with apply_ac_policy(...)`` block
+    decides only when it exits; a step that begins with one is measured on the device an
+    earlier step's regions decided, and the first such step is not measured.
 
-Note [One plan on every rank]
-    A replay of a nested FSDP unit unshards it (a collective), so ranks whose plans
-    differ could issue collectives in different orders. At every step start but the
-    first, every rank takes part in exactly one sync round (two MAX all-reduces over the
-    default process group: the length, then a fixed header -- settled?, unusable?, block
-    count, target, the allocated bytes the next step starts from -- and the segment
-    peaks), whatever it has to offer: a rank with no usable step says so, a settled
-    rank still joins until the round says every rank has settled, then none syncs
-    again. So the number of collectives is the number of step starts on every rank,
-    and with equal targets and equal block structures every rank runs the same
-    deterministic planner on the same numbers (the highest peak per segment) and gets
-    the same plan. Ranks with different targets (a callable) or block counts plan on
-    their own figures. Every rank must therefore run the same checkpointed forwards
-    under grad (as FSDP and DDP require anyway). A ``torch.distributed.pipelining``
-    stage reaches a step's first region when its schedule says, not when the other
-    stages do: the planner detects the stage (its frame on the stack, before any
-    collective), stays at the floor and never syncs.
+The sync round of every step start is Note [One plan on every rank] in _peak_step.py.
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from functools import partial
 from typing import Any, Protocol
 
@@ -90,8 +81,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ._alloc import AllocationTrace, active_trace
 from ._alloc_history import AllocatorHistory
 from ._block_problem import BlockBudget, Plan, _Option, _Problem
+from ._device import device_of
 from ._peak_model import _solve
-from ._peak_step import _Call, _missing, _Record, _Step
+from ._peak_step import _all_max, _Call, _missing, _Record, _Step, _watch_model
 from ._pipelining import pipeline_microbatch as _pipeline_microbatch
 from ._sizes import human_bytes as _human
 
@@ -149,6 +141,7 @@ class PeakPlanner:
         self.unmeasured = 0  # synced rounds in a row without a usable step
         self.device: torch.device | None = None  # the blocks' device (Note [The step's device])
         self._warned: set[str] = set()
+        self._models: list[weakref.ref[torch.nn.Module]] = []  # watched models (:meth:`watch`)
         self._error: str | None = None
 
     # ---- steps ------------------------------------------------------------------------
@@ -177,7 +170,7 @@ class PeakPlanner:
                     return self._key(step, fqn)
                 else:
                     return self._key(step, fqn)  # the step's next block
-            if _under_pipelining():  # checked before any collective, at every step start
+            if _pipeline_microbatch() is not None:  # checked before any collective, at every step start
                 self._pipelined()
                 return fqn
             self._update()
@@ -185,6 +178,40 @@ class PeakPlanner:
                 raise RuntimeError(self._error)
             self._begin()
             return self._key(self.step, fqn)
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Begin steps at ``model``'s forward (``apply_ac(model, budget)`` calls this):
+        Note [What a peak target bounds]."""
+        with self.lock:
+            if any(ref() is model for ref in self._models):
+                return
+            self._models.append(weakref.ref(model))
+        _watch_model(self.model_forward, model)
+
+    def model_forward(self, model: torch.nn.Module, args: Any) -> None:
+        """A watched model's forward begins: under grad and with no step open, a step
+        begins here, measured from now (Note [What a peak target bounds]); else the
+        step's first region decides, as without a watched model."""
+        if not torch.is_grad_enabled():
+            return
+        with self.lock:
+            step = self.step
+            if step is not None and step.ended:
+                self._close(step)
+                step = None
+            if step is not None or self.state == "pipelined" or self._error is not None:
+                return  # the regions see to it (an open step, a refused target)
+            device = self.device or device_of(args, module=model)  # Note [The step's device]
+            if _pipeline_microbatch() is not None:
+                return
+            self._update()
+            if self._error is not None:
+                raise RuntimeError(self._error)
+            self._begin()
+            step = self.step
+            step.at_model = True
+            self._measure(step, device, active_trace() is not None)
+            step.mark("start")
 
     def _pipelined(self) -> None:
         """Note [Verify, correct, stay put]: a pipeline stage's steps interleave; the
@@ -274,7 +301,7 @@ class PeakPlanner:
                 return
             plan = region.plan
             k = len(step.calls)
-            if k == 0:  # the step's first region: its device is known now (Note [The step's device])
+            if k == 0 and not step.at_model:  # its first region: the device is known now (Note [The step's device])
                 self._measure(step, getattr(graph, "device", None), graph.tracker is not None)
             if k >= _MAX_CALLS:
                 step.problem = step.problem or f"more than {_MAX_CALLS} checkpointed regions in one step"
@@ -365,7 +392,7 @@ class PeakPlanner:
     def _update(self) -> None:
         """Use the latest step measured since the last call (Note [Verify, correct, stay
         put]). Until every rank has settled, every rank syncs exactly once here per step
-        start, whatever it has to offer (Note [One plan on every rank])."""
+        start, whatever it has to offer (Note [One plan on every rank] in _peak_step.py)."""
         ready, self._ready = self._ready, []
         waiting = [s for s in ready if s.trace is not None and not s.own_trace and s.peaks is None
                    and s.problem is None]  # someone else's trace still runs: read it later
@@ -397,7 +424,7 @@ class PeakPlanner:
             problem = "it was not traced"
         if problem is None:
             problem = _missing(segments, peaks) or self._followed(step)
-        # Note [One plan on every rank]: one round per step start on every rank.
+        # Note [One plan on every rank] (_peak_step.py): one round per step start on every rank.
         n = len(calls)
         unsettled = self.state != "settled"  # a settled rank measures nothing and vetoes nothing
         head = [int(unsettled), int(unsettled and problem is not None), n, -n, self.target, -self.target, now_abs]
@@ -537,7 +564,10 @@ class PeakPlanner:
             self._install(None)
             return
         options = [self.options(c.signature) for c in calls]
-        choice = _solve(options, self.bases or {}, self.target - self.base_abs)
+        # a corrected plan keeps the largest candidate output free (Note [Verify, correct, stay put])
+        margin = 0 if self.planned_steps == 0 else max(
+            (p.records[s].nbytes for p in (self.problems[c.signature] for c in calls) for s in p.candidates), default=0)
+        choice = _solve(options, self.bases or {}, self.target - self.base_abs - margin)
         if choice is not None and all(i == 0 for i in choice):
             choice = None
         self._install(choice)
@@ -618,26 +648,3 @@ class PeakPlanner:
 
 def _opt_human(n: int | None) -> str:
     return "-" if n is None else _human(n)
-
-
-def _all_max(values: list[int]) -> list[int]:
-    """Element-wise MAX over the default process group (Note [One plan on every rank]);
-    lists of different lengths are padded (the caller compares the lengths it sent)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend()):
-        device = torch.device("cuda", torch.cuda.current_device())
-    with _disable_current_modes(), torch.no_grad():
-        head = torch.tensor([len(values)], dtype=torch.int64, device=device)
-        dist.all_reduce(head, op=dist.ReduceOp.MAX)
-        longest = int(head.item())
-        t = torch.tensor(values + [-(2**62)] * (longest - len(values)), dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.tolist()
-
-
-def _under_pipelining() -> bool:
-    """Whether a ``torch.distributed.pipelining`` stage runs this forward."""
-    return _pipeline_microbatch() is not None

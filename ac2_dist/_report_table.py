@@ -35,17 +35,21 @@ def _value(r: RankReport, key: str) -> float:
 
 
 def format_table(reports: list[RankReport] | None) -> str:
-    """A rank x metric table with min / max / imbalance (max / mean) columns."""
+    """A rank x metric table; with several ranks, min / max / imbalance (max / mean)
+    columns follow the ranks' (one report: its column only)."""
     if not reports:
         return "(no reports)"
     reports = sorted(reports, key=lambda r: r.rank)
-    header = ["metric"] + [f"rank {r.rank}" for r in reports] + ["min", "max", "imbalance"]
+    across = len(reports) > 1  # cross-rank columns mean nothing for one rank
+    header = ["metric"] + [f"rank {r.rank}" for r in reports] + (["min", "max", "imbalance"] if across else [])
     rows = [header]
     for label, key, fmt in _ROWS:
         vals = [_value(r, key) for r in reports]
-        mean = sum(vals) / len(vals)
-        imbalance = f"{max(vals) / mean:.2f}x" if mean else "-"
-        rows.append([label] + [fmt(v) for v in vals] + [fmt(min(vals)), fmt(max(vals)), imbalance])
+        row = [label] + [fmt(v) for v in vals]
+        if across:
+            mean = sum(vals) / len(vals)
+            row += [fmt(min(vals)), fmt(max(vals)), f"{max(vals) / mean:.2f}x" if mean else "-"]
+        rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = []
     for k, row in enumerate(rows):
@@ -55,7 +59,7 @@ def format_table(reports: list[RankReport] | None) -> str:
     modules = sorted({fqn for r in reports for fqn in r.per_module})
     if modules:
         lines.append("")
-        lines.append("per module (saved / recomputed), by rank:")
+        lines.append("per module (saved / recomputed)" + (", by rank:" if across else ":"))
         for fqn in modules:
             cells = []
             for r in reports:

@@ -27,6 +27,7 @@ from . import _sim_plan
 from ._block_problem import Plan, _CostModel, _Problem
 from ._budget_region import _BudgetRegion
 from ._peak import PeakPlanner
+from ._sizes import human_bytes as _human
 from ._sizes import parse_size
 
 __all__ = ["MemoryBudget", "Plan"]
@@ -67,7 +68,8 @@ class MemoryBudget:
             sets are planned together from what the first step measures, verified after
             each step and corrected until the measured peak fits.
             On CUDA the scale is ``torch.cuda.max_memory_allocated``'s; on CPU the peak
-            above what was allocated when the step's first checkpointed forward began.
+            above what was allocated when the step began: after ``apply_ac(model, ...)``
+            at ``model``'s forward, as ``memory.track(model)``'s peaks.
         strict: with ``peak``: a target below the measured floor raises (at the next
             forward) instead of warning once and running at the floor.
         plan: with ``peak``: the path of a plan file written by
@@ -213,6 +215,13 @@ class MemoryBudget:
         if self._planner is not None:
             self._planner.close()
 
+    def _watch_model(self, model: torch.nn.Module) -> None:
+        """``apply_ac(model, budget, ...)``: a peak target's steps begin at ``model``'s
+        forward, where ``memory.track(model)``'s do (Note [What a peak target bounds])."""
+        planner = self.peak_planner
+        if planner is not None:
+            planner.watch(model)
+
     # ---- regions ------------------------------------------------------------------------
     def new_region_policy(self, module_fqn: str) -> _BudgetRegion:
         """The policy of one region (one call of a checkpointed module); called by ac2."""
@@ -314,12 +323,43 @@ class MemoryBudget:
         """The plan ``module_fqn``'s next call follows (``None`` before its calibration)."""
         return self._plan_for(module_fqn)[0]
 
-    def format_plan(self, module_fqn: str | None = None) -> str:
-        """A table per planned module: op, output bytes, estimated cost, saved or not;
-        with a ``peak`` target first the target, the measured floor, the predicted and
-        the measured peak and the measured steps."""
-        head = self._planner.describe() + "\n\n" if self._planner is not None else ""
-        return head + self._format_plans(module_fqn)
+    def format_plan(self, module_fqn: str | None = None, *, detail: bool = False) -> str:
+        """What the budget chose, as text.
+
+        By default a summary of a few lines whatever the number of blocks: with a
+        ``peak`` target the target and the planner's state, the measured floor, the
+        predicted and the measured peak; then, summed over the planned modules, the
+        bytes saved above the floor, the op outputs saved and recomputed, and the
+        estimated recompute cost per step. ``detail=True``: the full text instead, the
+        measured steps and a table per planned module (op, output bytes, estimated
+        cost, saved or not). ``module_fqn``: that module only."""
+        head = self._planner.describe() if self._planner is not None else ""
+        if detail:
+            return (head + "\n\n" if head else "") + self._format_plans(module_fqn)
+        lines = head.splitlines()[:2] if head else [f"{self!r}"]
+        with self._lock:
+            items = sorted(self._by_fqn.items()) if module_fqn is None else \
+                [(module_fqn, self._by_fqn.get(module_fqn))]
+        plans = [plan for _, plan in items if plan is not None]
+        waiting = [fqn or "(region)" for fqn, plan in items if plan is None]
+        if plans:
+            rows = [row for plan in plans for row in plan.rows if row[2] > 0]  # views hold no bytes
+            saved = sum(1 for row in rows if row[4])
+            structures = len({p.signature for p in plans})
+            lines.append(
+                f"  {_count(len(plans), 'planned module')} ({_count(structures, 'structure')}): "
+                f"{_human(sum(p.saved_bytes - p.floor_bytes for p in plans))} saved above the floor "
+                f"(of {_human(sum(p.top_bytes - p.floor_bytes for p in plans))} possible); "
+                f"{_count(saved, 'op output')} saved, {len(rows) - saved} recomputed")
+            if self._planner is None:  # a peak target's second line has it
+                lines.append(f"  estimated recompute {sum(p.recompute_seconds for p in plans) * 1e3:.3f} ms "
+                             f"({sum(p.recompute_flops for p in plans) / 1e6:.1f} MFLOP) per step")
+        if waiting:
+            lines.append(f"  no plan yet (the first call calibrates): {', '.join(waiting)}")
+        elif not plans:
+            lines.append("  (no plans yet)")
+        lines.append("  per module and per measured step: format_plan(detail=True)")
+        return "\n".join(lines)
 
     def _format_plans(self, module_fqn: str | None) -> str:
         with self._lock:
@@ -358,6 +398,10 @@ def _budget_of_bytes(nbytes: Any) -> MemoryBudget:
 
 def _budget_of_peak(peak: Any, strict: bool, plan: str | None = None) -> MemoryBudget:
     return MemoryBudget(peak=peak, strict=strict, plan=plan)
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def _fqn_pattern(fqn: str) -> str:

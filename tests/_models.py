@@ -124,8 +124,9 @@ class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
 def peak_from(model: nn.Module, first: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
               seed: int = 0) -> tuple[int, list[torch.Tensor]]:
     """One forward+backward: the peak allocated above what was allocated when ``first``
-    (the first checkpointed module) began its forward -- the scale of
-    ``MemoryBudget(peak=...)`` on CPU -- from the allocator's events, and the grads."""
+    began its forward (before its other pre-hooks) -- the scale of
+    ``MemoryBudget(peak=...)`` on CPU: ``first`` is the model ``apply_ac`` was given, or
+    without one the first checkpointed module -- from the allocator's events, and the grads."""
     from ac2_dist._alloc import AllocationTrace
 
     model.zero_grad(set_to_none=True)
@@ -137,7 +138,7 @@ def peak_from(model: nn.Module, first: nn.Module, loss_fn: Callable[[nn.Module],
             marked.append(True)
             trace.mark("start")
 
-    hook = first.register_forward_pre_hook(mark)
+    hook = first.register_forward_pre_hook(mark, prepend=True)
     try:
         with AllocationTrace() as trace:
             loss = loss_fn(model)

@@ -128,8 +128,10 @@ def test_format_plan_and_report_show_the_budget():
     assert "no plan yet" in budget.format_plan("blocks.0")
     _step(model, loss_fn, x)
     report, _, _ = _step(model, loss_fn, x)
-    text = budget.format_plan()
+    text = budget.format_plan(detail=True)
     assert "blocks.0: budget" in text and "blocks.1: budget" in text and "aten.addmm.default" in text
+    summary = budget.format_plan()  # issue 41: a few lines, whatever the number of blocks
+    assert "planned modules" in summary and "aten.addmm.default" not in summary, summary
     plan = budget.plan("blocks.0")
     assert plan.budget_bytes == plan.floor_bytes + 40_000 and plan.saved_bytes <= plan.budget_bytes
     table = ac.memory.format_table([report])

@@ -18,6 +18,7 @@ from models import GPTBlock, GPTStack
 
 import ac2_dist as ac
 import ac2_dist._modules as modules_mod
+import ac2_dist._peak as peak_mod
 import ac2_dist.memory as memory_mod
 from ac2_dist._alloc_history import AllocatorHistory
 
@@ -109,6 +110,7 @@ def _cuda_budget_model(monkeypatch):
     """A CPU GPT whose regions decide CUDA (the planner measures the CUDA way); replays
     inline (nothing else of CUDA runs)."""
     monkeypatch.setattr(modules_mod, "device_of", lambda *a, **k: CUDA0)
+    monkeypatch.setattr(peak_mod, "device_of", lambda *a, **k: CUDA0)  # a step begun at the model's forward
     torch.manual_seed(0)
     base = GPTStack(3, 64, 4)
     x = torch.randn(4, 64, 64)
@@ -140,7 +142,7 @@ def test_the_peak_planner_on_cuda_measures_without_a_profiler(sim, monkeypatch):
     assert profiled and not any(profiled)  # no profiler session at any point of a step
     measured = [r for r in planner.history if r.measured is not None]
     assert measured, planner.describe()
-    # step 1 (the floor) measured as the allocator saw it: its peak from its first region on
+    # step 1 (the floor) measured as the allocator saw it: its peak from the model's forward on
     assert planner.history[0].step == 0 and planner.history[0].measured == truths[0], (planner.describe(), truths)
     assert sim.calls["reset_peak_memory_stats"] == 0 and sim.calls["reset_accumulated_memory_stats"] == 0
     budget.close()

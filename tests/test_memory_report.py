@@ -15,6 +15,7 @@ from _dist import run_ranks
 import ac2_dist as ac
 from ac2_dist import memory
 from ac2_dist._region import _thread_state
+from ac2_dist._sizes import human_bytes as human
 from ac2_dist.report import main as report_main
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -369,3 +370,20 @@ def test_save_run_on_a_rank_without_reports_writes_nothing(tmp_path):
     memory.save_run([memory.RankReport(rank=0, world_size=2), memory.RankReport(rank=1, world_size=2)], path)
     memory.save_run(None, path)
     assert [r.rank for r in memory.load_run(path)] == [0, 1]
+
+
+def test_a_single_rank_table_has_one_value_column():
+    """Issue 41: a world-size-1 report prints its own column only (min / max / imbalance
+    of one value say nothing); two ranks still get the cross-rank columns."""
+    report = _tracked_step("recompute_all").report()
+    assert report.world_size == 1 and report.peak_bytes_backward > 0
+    lines = memory.format_table([report]).splitlines()
+    assert lines[0].split() == ["metric", "rank", "0"], lines[0]
+    peak = next(line for line in lines if line.startswith("peak backward"))
+    assert peak.split("peak backward")[1].split() == human(report.peak_bytes_backward).split(), peak
+    assert not any(word in lines[0] for word in ("min", "max", "imbalance"))
+    assert "per module (saved / recomputed):" in lines
+    other = memory.RankReport.from_dict({**report.to_dict(), "rank": 1, "world_size": 2})
+    two = memory.format_table([memory.RankReport.from_dict({**report.to_dict(), "world_size": 2}), other])
+    assert two.splitlines()[0].split()[-3:] == ["min", "max", "imbalance"]
+    assert "per module (saved / recomputed), by rank:" in two

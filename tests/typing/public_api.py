@@ -50,7 +50,7 @@ def budgets(model: torch.nn.Module) -> str:
     peak = ac.MemoryBudget(peak="70GiB", strict=True)
     ac.apply_ac(model, peak, modules=[Block])
     plan = budget.plan("layers.0")
-    text = budget.format_plan() + (plan.format("layers.0") if plan is not None else "")
+    text = budget.format_plan() + budget.format_plan("layers.0", detail=True) + (plan.format("layers.0") if plan is not None else "")
     peak.close()
     return text
 
