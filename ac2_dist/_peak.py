@@ -12,7 +12,11 @@ Note [What a peak target bounds]
     CUDA, N is absolute (``memory_allocated()`` when the step began plus the peak above
     it: the scale of ``torch.cuda.max_memory_allocated``); on CPU, where torch exposes
     no allocated-bytes counter, N is the peak above what was allocated when the step
-    began (``memory.track``'s step starts at the model's forward, a little earlier). Everything the step allocates counts:
+    began (``memory.track``'s step starts at the model's forward, a little earlier),
+    unless a plan file gave the planner an origin (``cpu_origin``: the simulated bytes
+    alive when the step began, Note [A plan file is the planner's state] in
+    _sim_plan.py): then N is absolute there too, the origin plus the peak above the
+    step's start, as the simulation that wrote the file counted it. Everything the step allocates counts:
     the blocks' saved and recomputed values, gradients, FSDP's unsharded parameters and
     prefetches, the replay working set, the loss and its backward.
 
@@ -134,6 +138,7 @@ class PeakPlanner:
         self.choice: tuple[int, ...] | None = None  # option index per call (None: the floor)
         self.bases: dict[str, int] | None = None
         self.base_abs = 0
+        self.cpu_origin = 0  # on CPU, taken as allocated when a step begins (Note [What a peak target bounds])
         self.floor_peak: int | None = None  # measured peak of the first measured (floor) step
         self.predicted: int | None = None
         self.measured: int | None = None  # of the latest measured step the planner used
@@ -238,6 +243,7 @@ class PeakPlanner:
             meter.on_exit.append(partial(self._collect, step))
             step.trace, step.own_trace = meter, True
             return
+        step.base_abs = self.cpu_origin  # Note [What a peak target bounds]
         trace = active_trace()
         if trace is not None:  # Note [One trace, two readers]
             step.trace = trace
@@ -388,7 +394,8 @@ class PeakPlanner:
     def _use(self, step: _Step | None) -> None:
         device = self.device
         # what the next step starts from (Note [What a peak target bounds])
-        now_abs = torch.cuda.memory_allocated(device) if device is not None and device.type == "cuda" else 0
+        now_abs = torch.cuda.memory_allocated(device) if device is not None and device.type == "cuda" \
+            else self.cpu_origin
         calls = step.calls if step is not None else []
         segments = [f"{kind}:{k}" for k in range(len(calls)) for kind in ("fwd", "bwd")]
         peaks = step.peaks if step is not None else None
