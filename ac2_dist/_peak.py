@@ -13,10 +13,8 @@ Note [What a peak target bounds]
     it: the scale of ``torch.cuda.max_memory_allocated``); on CPU, where torch exposes
     no allocated-bytes counter, N is the peak above what was allocated when the step
     began (``memory.track``'s step starts at the model's forward, a little earlier),
-    unless a plan file gave the planner an origin (``cpu_origin``: the simulated bytes
-    alive when the step began, Note [A plan file is the planner's state] in
-    _sim_plan.py): then N is absolute there too, the origin plus the peak above the
-    step's start, as the simulation that wrote the file counted it. Everything the step allocates counts:
+    plus ``cpu_origin``: 0, or a plan file's simulated start (Note [A plan file is the
+    planner's state] in _sim_plan.py), making N absolute as on CUDA. Everything the step allocates counts:
     the blocks' saved and recomputed values, gradients, FSDP's unsharded parameters and
     prefetches, the replay working set, the loss and its backward.
 
@@ -394,8 +392,7 @@ class PeakPlanner:
     def _use(self, step: _Step | None) -> None:
         device = self.device
         # what the next step starts from (Note [What a peak target bounds])
-        now_abs = torch.cuda.memory_allocated(device) if device is not None and device.type == "cuda" \
-            else self.cpu_origin
+        now_abs = torch.cuda.memory_allocated(device) if device is not None and device.type == "cuda" else self.cpu_origin
         calls = step.calls if step is not None else []
         segments = [f"{kind}:{k}" for k in range(len(calls)) for kind in ("fwd", "bwd")]
         peaks = step.peaks if step is not None else None

@@ -30,7 +30,7 @@ from . import _sim_plan
 from ._peak_model import _solve
 from ._sim_report import DEVICES, NOT_COUNTED, ModeReport, format_table
 from ._sim_run import _Recorder, _Run, _Spec, run_mode
-from ._sim_world import fake_world, per_block_shard
+from ._sim_world import ddp_refused, fake_world, per_block_shard
 from ._sizes import human_bytes, parse_size
 
 __all__ = ["DEVICES", "NOT_COUNTED", "ModeReport", "SimulationReport", "simulate"]
@@ -221,6 +221,8 @@ def simulate(
         world_size: ranks of the job; ``rank``: the rank simulated.
         fsdp: ``"per-block"`` (``fully_shard`` each block, then the root), a function
             that wraps the model as the job's script does, or None (no sharding).
+            ``"ddp"`` is refused: torch's DDP does not run under the fake process
+            group.
         shard_size: with ``"per-block"``, shard over groups of this many ranks and
             replicate across groups (HSDP); ``world_size`` must be a multiple of it.
         loss: ``(model, batch) -> loss`` (default: the output's ``.loss``, else the mean
@@ -233,8 +235,8 @@ def simulate(
             recompute is priced with.
         dtype: the dtype the model computes in (picks the device's FLOP rate).
 
-    Raises ValueError before any step runs for a world size, rank, shard size, device
-    or target that cannot be used, and after the floor step for a target below it.
+    Raises ValueError before any step runs for a world size, rank, shard size, device,
+    target or ``fsdp`` that cannot be used (DDP included), and after the floor step for a target below it.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"ac2_dist.simulate: world_size must be a positive int, got {world_size!r}")
@@ -248,6 +250,8 @@ def simulate(
             raise ValueError(f"ac2_dist.simulate: world_size={world_size} is not a multiple of shard_size="
                              f"{shard_size!r}: the mesh would be ({world_size} / {shard_size}) x {shard_size}; "
                              f"pick a shard size that divides the world size")
+    if fsdp == "ddp":
+        raise ValueError(ddp_refused())
     if fsdp is not None and fsdp != "per-block" and not callable(fsdp):
         raise ValueError(f"ac2_dist.simulate: fsdp must be 'per-block', a function or None, got {fsdp!r}")
     rates = _rates(device, dtype)
