@@ -13,56 +13,57 @@ Note [What a peak target bounds]
     Without a model (``checkpoint``, ``apply_ac_policy``) it begins when the budget's
     first region of the forward enters. It ends when that backward pass completes.
     ``peak=N`` bounds the rank's peak allocated bytes during the step. On CUDA, N is
-    absolute (``memory_allocated()`` when the step began plus the peak above it: the
-    scale of ``torch.cuda.max_memory_allocated``); on CPU, where torch exposes no
+    absolute (``memory_allocated()`` when the step began plus the peak above it: the scale
+    of ``torch.cuda.max_memory_allocated``); on CPU, where torch exposes no
     allocated-bytes counter, N bounds the peak above what was allocated when the step
-    began: ``memory.track``'s peak forward and peak backward. Everything counts:
-    the blocks' saved and recomputed values, gradients, FSDP's unsharded parameters and
-    prefetches, the replay working set, the loss and its backward.
+    began (``memory.track``'s peak forward and peak backward) plus ``cpu_origin``: 0, or a
+    plan file's simulated start (Note [A plan file is the planner's state] in
+    _sim_plan.py), making N absolute as on CUDA. Everything counts: the blocks' saved and
+    recomputed values, gradients, FSDP's unsharded parameters and prefetches, the replay
+    working set, the loss and its backward.
 
 How a plan's peak is predicted and solved for is Note [The peak model] in
 _peak_model.py; a measured step is a :class:`_Step` (_peak_step.py).
 
 Note [Verify, correct, stay put]
     After each planned step the measured segment peaks are compared with the target.
-    Within the target and using at least ``_USE`` of it (or saving everything there is
-    to save): converged. Over the target: each segment's base is raised to what the
-    step implies (measured minus the plan's ``dk``) and the plan is solved again. Under
-    by more than ``1 - _USE``: the bases become what the step implies and the plan is
-    solved again. A corrected plan is solved for the target less the largest candidate
-    output: another saved set changes a replay's working set, which no step measured
-    (GPT-2: +48 KiB, 3 % of the target). After ``_TRIES`` planned steps the planner
-    keeps the cheapest plan whose measured peak was within the target (the floor if
-    none was) and stops measuring: it converges within three steps (floor, plan,
-    corrected plan) and the saved sets do not change afterwards. A step that cannot be
-    measured (on CPU a profiler session ac2 did not start is running, Note [A profiler
-    session of the user's]; a forward ran without its backward, steps overlapped as
-    under pipeline schedules, a block ran twice in one step, the blocks
-    ran another structure or plan than the one being verified) changes nothing; the
-    planner stays at its current plan and says why in :meth:`describe`; after
-    ``_UNMEASURED`` step starts in a row without a usable step it stops measuring.
-    Bases only rise above what a step over the target implied (``guard``): a plan known
-    to overshoot is not chosen again.
+    Within the target and using at least ``_USE`` of it (or saving everything there is to
+    save): converged. Over the target: each segment's base is raised to what the step
+    implies (measured minus the plan's ``dk``) and the plan is solved again. Under by more
+    than ``1 - _USE``: the bases become what the step implies and the plan is solved
+    again. A corrected plan is solved for the target less the largest candidate output:
+    another saved set changes a replay's working set, which no step measured (GPT-2: +48
+    KiB, 3 % of the target). After ``_TRIES`` planned steps the planner keeps the cheapest
+    plan whose measured peak was within the target (the floor if none was) and stops
+    measuring: it converges within three steps (floor, plan, corrected plan) and the saved
+    sets do not change afterwards. A step that cannot be measured (on CPU a profiler
+    session ac2 did not start is running, Note [A profiler session of the user's]; a
+    forward ran without its backward, steps overlapped as under pipeline schedules, a
+    block ran twice in one step, the blocks ran another structure or plan than the one
+    being verified) changes nothing; the planner stays at its current plan and says why in
+    :meth:`describe`; after ``_UNMEASURED`` step starts in a row without a usable step it
+    stops measuring. Bases only rise above what a step over the target implied
+    (``guard``): a plan known to overshoot is not chosen again.
 
 Note [A profiler session of the user's]
     On CPU a step is measured from a profiler session's memory events (torch exposes no
-    allocated-bytes counter there) and two sessions cannot run at once. A session ac2
-    did not start that is running when a step begins (the user's ``torch.profiler``)
-    cannot be read, so the planner waits for it: the step is not measured, the plan
-    stays as it is, the wait does not count towards ``_UNMEASURED`` (the planner
-    measures at the first step that begins after the session ended), and it warns once
-    saying so and what to do. ``memory.track``'s session is read instead (Note [One
-    trace, two readers]). On CUDA no profiler session is used (Note [Measuring a CUDA
-    step without a profiler]), so a user's profiler changes nothing there.
+    allocated-bytes counter there) and two sessions cannot run at once. A session ac2 did
+    not start that is running when a step begins (the user's ``torch.profiler``) cannot be
+    read, so the planner waits for it: the step is not measured, the plan stays as it is,
+    the wait does not count towards ``_UNMEASURED`` (the planner measures at the first
+    step that begins after the session ended), and it warns once saying so and what to do.
+    ``memory.track``'s session is read instead (Note [One trace, two readers]). On CUDA no
+    profiler session is used (Note [Measuring a CUDA step without a profiler]), so a
+    user's profiler changes nothing there.
 
 Note [The step's device]
-    The planner measures on the device its blocks compute on (Note [The device comes
-    from the tensors] in _device.py): the device the first region of a step decided when
-    it entered (a checkpointed module's or a function region's); a step begun at the
-    model's forward, the one earlier steps' regions decided (step 1: the one of the
-    model's arguments and tensors, ``device_of``). A ``with apply_ac_policy(...)`` block
-    decides only when it exits; a step that begins with one is measured on the device an
-    earlier step's regions decided, and the first such step is not measured.
+    The planner measures on the device its blocks compute on (Note [The device comes from
+    the tensors] in _device.py): the device the first region of a step decided when it
+    entered (a checkpointed module's or a function region's); a step begun at the model's
+    forward, the one earlier steps' regions decided (step 1: the one of the model's
+    arguments and tensors, ``device_of``). A ``with apply_ac_policy(...)`` block decides
+    only when it exits; a step that begins with one is measured on the device an earlier
+    step's regions decided, and the first such step is not measured.
 
 The sync round of every step start is Note [One plan on every rank] in _peak_step.py.
 """
@@ -86,6 +87,7 @@ from ._peak_model import _solve
 from ._peak_step import _all_max, _Call, _missing, _Record, _Step, _watch_model
 from ._pipelining import pipeline_microbatch as _pipeline_microbatch
 from ._sizes import human_bytes as _human
+from ._sizes import human_or_dash as _opt_human
 
 __all__ = ["PeakPlanner"]
 
@@ -126,6 +128,7 @@ class PeakPlanner:
         self.choice: tuple[int, ...] | None = None  # option index per call (None: the floor)
         self.bases: dict[str, int] | None = None
         self.base_abs = 0
+        self.cpu_origin = 0  # on CPU, taken as allocated when a step begins (Note [What a peak target bounds])
         self.floor_peak: int | None = None  # measured peak of the first measured (floor) step
         self.predicted: int | None = None
         self.measured: int | None = None  # of the latest measured step the planner used
@@ -265,6 +268,7 @@ class PeakPlanner:
             meter.on_exit.append(partial(self._collect, step))
             step.trace, step.own_trace = meter, True
             return
+        step.base_abs = self.cpu_origin  # Note [What a peak target bounds]
         trace = active_trace()
         if trace is not None:  # Note [One trace, two readers]
             step.trace = trace
@@ -415,7 +419,7 @@ class PeakPlanner:
     def _use(self, step: _Step | None) -> None:
         device = self.device
         # what the next step starts from (Note [What a peak target bounds])
-        now_abs = torch.cuda.memory_allocated(device) if device is not None and device.type == "cuda" else 0
+        now_abs = torch.cuda.memory_allocated(device) if device is not None and device.type == "cuda" else self.cpu_origin
         calls = step.calls if step is not None else []
         segments = [f"{kind}:{k}" for k in range(len(calls)) for kind in ("fwd", "bwd")]
         peaks = step.peaks if step is not None else None
@@ -644,7 +648,3 @@ class PeakPlanner:
                     lines.append(f"  {r.step + 1:>5}  {r.what:<36} {_opt_human(r.predicted):>12} "
                                  f"{_opt_human(r.measured):>12}  {r.note}")
             return "\n".join(lines)
-
-
-def _opt_human(n: int | None) -> str:
-    return "-" if n is None else _human(n)

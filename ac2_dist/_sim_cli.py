@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES))
     p.add_argument("--fsdp", default="per-block", choices=["per-block", "none"])
+    p.add_argument("--ddp", action="store_true", help="a DDP job: refused (torch's DDP does not run under the "
+                                                       "fake process group); the message says what to run instead")
     p.add_argument("--shard-size", type=int, default=None, help="HSDP: shard over groups of this many ranks")
     p.add_argument("--blocks", default=None, help="comma-separated class names of the blocks to checkpoint "
                                                   "(default: the model's _no_split_modules)")
@@ -110,6 +112,10 @@ def main(simulate: Callable[..., Any], argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
     dtype = _DTYPES[args.dtype]
+    if args.ddp:
+        from ._sim_world import ddp_refused
+
+        raise ValueError(ddp_refused())
     for name in ("batch", "seq"):
         if getattr(args, name) < 1:
             raise _Refused(f"--{name} must be >= 1, got {getattr(args, name)}")

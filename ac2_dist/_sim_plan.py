@@ -11,7 +11,12 @@ Note [A plan file is the planner's state]
     chosen per block. Loading it rebuilds the problems and installs the choice as the
     planner's plan in state ``planned``: the first step follows it (no calibration at
     the floor) and is measured like any planned step, so Note [Verify, correct, stay
-    put] in _peak.py goes on from there. Ops are stored by name (``aten.mm.default``)
+    put] in _peak.py goes on from there. The file's ``step_start`` (the simulated bytes
+    alive when block 0's forward began, the origin of its bases) becomes the planner's
+    origin: its first prediction is absolute, and on CPU, where a step's peak is
+    measured above the step's start, the planner adds it (``cpu_origin``, Note [What a
+    peak target bounds] in _peak.py), so the target the user gave the simulation means
+    the same bytes in the job on CPU as on CUDA. Ops are stored by name (``aten.mm.default``)
     and resolved with ``torch.ops``; a structure is the op sequence and first output
     shapes the job's blocks must run. A block whose ops differ from its structure, or
     a checkpointed module the file does not name, is refused at its first op /
@@ -94,6 +99,7 @@ class _Loaded:
     saved: list[frozenset]
     bases: dict[str, int]
     meta: dict[str, Any]
+    start: int = 0  # the simulated bytes alive when block 0's forward began (the bases' origin)
 
     @property
     def fqns(self) -> dict[str, tuple]:
@@ -134,12 +140,13 @@ def load(path: str) -> _Loaded:
             saved.append(chosen)
         bases = {str(k): int(v) for k, v in doc["bases"].items()}
         target = int(doc["target"])
+        start = int(doc["step_start"])
     except (KeyError, TypeError, IndexError) as e:
         raise ValueError(f"ac2_dist.MemoryBudget(plan={path!r}): the plan file is incomplete or damaged "
                          f"({type(e).__name__}: {e}); write it again") from e
     problems = {p.signature: p for p in problems_by_index}
     meta = {k: v for k, v in doc.items() if k not in ("bases", "blocks", "structures")}
-    return _Loaded(path, target, problems, calls, saved, bases, meta)
+    return _Loaded(path, target, problems, calls, saved, bases, meta, start)
 
 
 def install(planner: Any, loaded: _Loaded) -> None:
@@ -148,6 +155,7 @@ def install(planner: Any, loaded: _Loaded) -> None:
     planner.problems.update(loaded.problems)
     planner.structure = list(loaded.calls)
     planner.bases = dict(loaded.bases)
+    planner.base_abs = planner.cpu_origin = loaded.start  # Note [A plan file is the planner's state]
     choice = []
     for call, saved in zip(loaded.calls, loaded.saved):
         options = planner.options(call.signature)

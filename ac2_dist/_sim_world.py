@@ -8,10 +8,27 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 __all__: list[str] = []
+
+
+def ddp_refused() -> str:
+    """Why a DDP job is not simulated, and what to do instead."""
+    # Checked with torch 2.13: DistributedDataParallel(init_sync=False) builds and runs its
+    # forward on fake parameters under the fake process group, but its reducer's bucket
+    # all-reduce gets a future whose value is None from the fake backend and backward stops at
+    # an internal assert ("expected the hook result is either a Tensor or a TensorList found
+    # None", c10d/comm.cpp); with init_sync, construction fails on fake parameters' data.
+    # Making it run would need a comm hook standing in for the all-reduce: not torch's DDP.
+    return (f"ac2_dist.simulate: DDP is not simulated: torch's DistributedDataParallel does not run under the fake "
+            f"process group (torch {torch.__version__}: its reducer expects each gradient bucket's all-reduce to "
+            f"complete with the reduced bucket; the fake backend's completes with nothing and backward stops at an "
+            f"internal assert in c10d/comm.cpp). Simulate the step without DDP (fsdp=None, --fsdp none: the job "
+            f"holds up to the gradients' bytes more, DDP's buckets, none with gradient_as_bucket_view=True) or "
+            f"sharded with FSDP2 (fsdp='per-block')")
 
 
 @contextmanager

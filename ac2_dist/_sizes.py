@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["human_bytes", "parse_size"]
+__all__ = ["human_bytes", "human_or_dash", "parse_size"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -43,3 +43,8 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def human_or_dash(n: int | None) -> str:
+    """:func:`human_bytes` of ``n``, or ``-`` for no figure."""
+    return "-" if n is None else human_bytes(n)

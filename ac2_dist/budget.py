@@ -69,14 +69,17 @@ class MemoryBudget:
             each step and corrected until the measured peak fits.
             On CUDA the scale is ``torch.cuda.max_memory_allocated``'s; on CPU the peak
             above what was allocated when the step began: after ``apply_ac(model, ...)``
-            at ``model``'s forward, as ``memory.track(model)``'s peaks.
+            at ``model``'s forward, as ``memory.track(model)``'s peaks (with ``plan``:
+            the simulated bytes alive then plus that peak, so the target means what it
+            meant to the simulation).
         strict: with ``peak``: a target below the measured floor raises (at the next
             forward) instead of warning once and running at the floor.
         plan: with ``peak``: the path of a plan file written by
             ``ac2_dist.simulate`` (``SimulationReport.save_plan`` or ``python -m
             ac2_dist.simulate ... --plan-out``). The first step follows it instead of
             calibrating at the floor; the measured steps then verify and correct it as
-            usual. A checkpointed module the file does not name, or a block whose ops
+            usual. Pass the target the simulation was given: on CUDA and on CPU alike
+            it is the rank's total. A checkpointed module the file does not name, or a block whose ops
             differ from the file's, raises ``ValueError`` naming the first difference.
 
     Usable wherever a policy is (``apply_ac``, ``wrap``, ``apply_ac_policy``,

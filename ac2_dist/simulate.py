@@ -30,7 +30,7 @@ from . import _sim_plan
 from ._peak_model import _solve
 from ._sim_report import DEVICES, NOT_COUNTED, ModeReport, format_table
 from ._sim_run import _Recorder, _Run, _Spec, run_mode
-from ._sim_world import fake_world, per_block_shard
+from ._sim_world import ddp_refused, fake_world, per_block_shard
 from ._sizes import human_bytes, parse_size
 
 __all__ = ["DEVICES", "NOT_COUNTED", "ModeReport", "SimulationReport", "simulate"]
@@ -81,16 +81,20 @@ class SimulationReport:
         nbytes = parse_size(target, "target")
         fqns = floor.fqns
         options = [_options(floor, f) for f in fqns]
-        bases = {s: v - floor.fwd0 for s, v in floor.segments.items()}
-        floor_peak = floor.fwd0 + max(bases.values())
-        choice = _solve(options, bases, nbytes - floor.fwd0)
+        # Segment bases above the step's start, where the job's planner begins its step
+        # after apply_ac(model, budget): the model's forward (Note [What a peak target
+        # bounds] in _peak.py), before FSDP's root all-gather.
+        origin = floor.start
+        bases = {s: v - origin for s, v in floor.segments.items()}
+        floor_peak = origin + max(bases.values())
+        choice = _solve(options, bases, nbytes - origin)
         if choice is None or floor_peak > nbytes:
             raise ValueError(
                 f"ac2_dist.simulate: target={target!r} ({nbytes} bytes) is below the simulated floor of rank "
                 f"{self.rank} ({human_bytes(floor_peak)}, {floor_peak} bytes: full AC in every block). Raise the "
                 f"target, shard over more ranks, or lower the batch size or sequence length")
         dks = [o[i].dk for o, i in zip(options, choice)]
-        predicted = floor.fwd0 + max(base + sum(dks[:int(s.split(":")[1]) + 1]) for s, base in bases.items())
+        predicted = origin + max(base + sum(dks[:int(s.split(":")[1]) + 1]) for s, base in bases.items())
         chosen = [o[i] for o, i in zip(options, choice)]
         name = f"target {target}" if isinstance(target, str) else f"target {human_bytes(nbytes)}"
         report = ModeReport(name, predicted, floor.start, {}, "predicted (peak model)",
@@ -102,7 +106,7 @@ class SimulationReport:
                 run = run_mode(self._spec, _Recorder(self._spec.rates, plans))
             report.peak_bytes, report.breakdown, report.when = run.peak, run.breakdown, run.when
             report.kept_bytes = {fqns[k]: v for k, v in run.kept.items()}
-        meta = {"target": nbytes, "predicted_peak": predicted, "step_start": floor.fwd0,
+        meta = {"target": nbytes, "predicted_peak": predicted, "step_start": origin,
                 "world_size": self.world_size, "rank": self.rank,
                 "device": self.device, "torch": torch.__version__}
         self._plan = _sim_plan.dump(fqns, floor.structure, floor.problems, tuple(choice), bases, meta)
@@ -221,6 +225,8 @@ def simulate(
         world_size: ranks of the job; ``rank``: the rank simulated.
         fsdp: ``"per-block"`` (``fully_shard`` each block, then the root), a function
             that wraps the model as the job's script does, or None (no sharding).
+            ``"ddp"`` is refused: torch's DDP does not run under the fake process
+            group.
         shard_size: with ``"per-block"``, shard over groups of this many ranks and
             replicate across groups (HSDP); ``world_size`` must be a multiple of it.
         loss: ``(model, batch) -> loss`` (default: the output's ``.loss``, else the mean
@@ -233,8 +239,8 @@ def simulate(
             recompute is priced with.
         dtype: the dtype the model computes in (picks the device's FLOP rate).
 
-    Raises ValueError before any step runs for a world size, rank, shard size, device
-    or target that cannot be used, and after the floor step for a target below it.
+    Raises ValueError before any step runs for a world size, rank, shard size, device,
+    target or ``fsdp`` that cannot be used (DDP included), and after the floor step for a target below it.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"ac2_dist.simulate: world_size must be a positive int, got {world_size!r}")
@@ -248,6 +254,8 @@ def simulate(
             raise ValueError(f"ac2_dist.simulate: world_size={world_size} is not a multiple of shard_size="
                              f"{shard_size!r}: the mesh would be ({world_size} / {shard_size}) x {shard_size}; "
                              f"pick a shard size that divides the world size")
+    if fsdp == "ddp":
+        raise ValueError(ddp_refused())
     if fsdp is not None and fsdp != "per-block" and not callable(fsdp):
         raise ValueError(f"ac2_dist.simulate: fsdp must be 'per-block', a function or None, got {fsdp!r}")
     rates = _rates(device, dtype)
