@@ -92,7 +92,11 @@ def test_plan_file_runs_in_the_first_step_within_the_target(measured):
     # step) is the absolute peak measured here (step 1 has no states yet: it reads high)
     assert first[2] == planned.predicted_bytes, (first, planned.predicted_bytes)
     second = got["history"][1]
-    assert second[0] == 1 and second[3] == pytest.approx(got["peaks"][1], rel=0.05), (got["history"], got["peaks"])
+    # (within 5% and one block's all-gather output, 833 KiB here, which gloo's thread frees
+    # late in some steps, inside one measurement's window and outside the other's: seen once
+    # under the whole suite's load, +0.82 MB; counting the root all-gather twice was +2.3 MB)
+    assert second[0] == 1, got["history"]
+    assert abs(second[3] - got["peaks"][1]) <= 0.05 * got["peaks"][1] + 2**20, (got["history"], got["peaks"])
     assert got["calibrations_after"] == 0
 
 
