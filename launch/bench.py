@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import PAIRS, _PlainFlops, backward_flops, ratio_stats, timed_rounds  # noqa: E402
+from bench_common import PAIRS, PlainFlops, backward_flops, ratio_stats, timed_rounds  # noqa: E402
 from models import Llama  # noqa: E402
 from train import (  # noqa: E402
     AC_MODES,
@@ -75,7 +75,7 @@ def _loss(model, x, y):
 
 def _measure_mode(model, x, y, compiled: bool) -> dict:
     """Memory, collectives and FLOPs of one mode's model (one tracked step). FLOPs are
-    counted by a mode that dispatches every op unchanged (bench_common._PlainFlops: a
+    counted by a mode that dispatches every op unchanged (bench_common.PlainFlops: a
     decomposing counter would show ac2 another block structure); compiled kernels do not
     dispatch through Python modes: no FLOPs for compiled modes."""
     model.zero_grad(set_to_none=True)
@@ -86,7 +86,7 @@ def _measure_mode(model, x, y, compiled: bool) -> dict:
     report = tracker.report()
     collectives = _collectives_in_backward(model, x, y)
     model.zero_grad(set_to_none=True)
-    flops = None if compiled else backward_flops(lambda: _loss(model, x, y), _PlainFlops)
+    flops = None if compiled else backward_flops(lambda: _loss(model, x, y), PlainFlops)
     return {
         "peak_bytes_forward": report.peak_bytes_forward,
         "peak_bytes_backward": report.peak_bytes_backward,

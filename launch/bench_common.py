@@ -108,7 +108,7 @@ def measure_memory(model, x, loss_fn: Callable = forward) -> dict:
 
 def backward_flops(loss_fn: Callable[[], torch.Tensor], counter: Callable[[], Any] | None = None) -> int:
     """Backward FLOPs (recompute included) = FLOPs of forward+backward - of forward,
-    counted by ``counter()`` (default ``FlopCounterMode``; :class:`_PlainFlops`
+    counted by ``counter()`` (default ``FlopCounterMode``; :class:`PlainFlops`
     dispatches every op unchanged).
 
     The counter is active over forward *and* backward: torch's SAC fails when a
@@ -125,7 +125,7 @@ def backward_flops(loss_fn: Callable[[], torch.Tensor], counter: Callable[[], An
     return both.get_total_flops() - fwd.get_total_flops()
 
 
-class _PlainFlops(torch.utils._python_dispatch.TorchDispatchMode):
+class PlainFlops(torch.utils._python_dispatch.TorchDispatchMode):
     """FLOPs from torch's formula registry, dispatching every op unchanged (FlopCounterMode
     decomposes ops it has no formula for -- CPU flash attention -- and a checkpointed
     block then shows ac2 another structure). CPU flash attention is counted with the
@@ -151,9 +151,9 @@ class _PlainFlops(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def plain_backward_flops(model, x) -> int:
-    """:func:`backward_flops` of ``model`` counted by :class:`_PlainFlops`."""
+    """:func:`backward_flops` of ``model`` counted by :class:`PlainFlops`."""
     model.zero_grad(set_to_none=True)
-    return backward_flops(lambda: forward(model, x), _PlainFlops)
+    return backward_flops(lambda: forward(model, x), PlainFlops)
 
 
 def measure_flops(model, x) -> int:

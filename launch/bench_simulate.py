@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from bench_common import write_json  # noqa: E402
+from bench_common import PlainFlops, write_json  # noqa: E402
 
 VOCAB, HIDDEN, INTER, LAYERS, HEADS = 512, 128, 384, 3, 4
 BATCH, SEQ = 2, 64
@@ -117,29 +117,7 @@ def alive(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict) -> int:
     return sum(seen.values())
 
 
-class FlopCount(torch.utils._python_dispatch.TorchDispatchMode):
-    """FLOPs of every op dispatched (torch's formula registry; CPU flash attention with
-    the CUDA kernel's formula, as ac2's cost model)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils.flop_counter import flop_registry
-
-        from ac2_dist._block_problem import _FLOP_ALIASES
-
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        formula = flop_registry.get(_FLOP_ALIASES.get(packet, packet))
-        if formula is not None:
-            self.flops += int(formula(*args, **kwargs, out_val=out))
-        return out
-
-
-def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict) -> None:
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict) -> None:
     loss = model(**b).loss
     loss.backward()
     del loss
@@ -169,12 +147,12 @@ def _measured_step(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict) 
 
     start = alive(model, opt, b)
     with AllocationTrace() as trace:
-        _step(model, opt, b)
+        train_step(model, opt, b)
     return start + trace.whole.peak_bytes
 
 
 def _counted_flops(model: torch.nn.Module, b: dict) -> int:
-    counter = FlopCount()
+    counter = PlainFlops()
     with counter:
         loss = model(**b).loss
         loss.backward()
@@ -205,7 +183,7 @@ def _measure_mode(case: Case, mode: str, steps: int, plan: str | None, target: i
         return {"peak": min(peaks), "peaks": peaks, "flops": flops}
     policy = {"none": None, "full": "recompute_all", "save": case.save_ops()}[mode]
     model, opt, b = _setup(case, policy)
-    _step(model, opt, b)
+    train_step(model, opt, b)
     peaks = [_measured_step(model, opt, b) for _ in range(steps)]
     return {"peak": min(peaks), "peaks": peaks, "flops": _counted_flops(model, b)}
 

@@ -38,62 +38,11 @@ def block_type() -> type:
     return LlamaDecoderLayer
 
 
-def _alive(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict) -> int:
-    """Bytes of every storage the step starts with: parameters (local shards), buffers,
-    optimizer states, the batch (each storage once)."""
-    seen: dict[int, int] = {}
-
-    def add(t: Any) -> None:
-        if isinstance(t, torch.Tensor):
-            if hasattr(t, "to_local"):
-                t = t.to_local()
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-
-    for p in model.parameters():
-        add(p)
-        add(p.grad)
-    for buf in model.buffers():
-        add(buf)
-    for state in opt.state.values():
-        for v in state.values():
-            add(v)
-    for v in b.values():
-        add(v)
-    return sum(seen.values())
-
-
-class _Flops(torch.utils._python_dispatch.TorchDispatchMode):
-    """FLOPs of every op dispatched (torch's formula registry; CPU flash attention with
-    the CUDA kernel's formula, as ac2's cost model)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils.flop_counter import flop_registry
-
-        from ac2_dist._block_problem import _FLOP_ALIASES
-
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        formula = flop_registry.get(_FLOP_ALIASES.get(packet, packet))
-        if formula is not None:
-            self.flops += int(formula(*args, **kwargs, out_val=out))
-        return out
-
-
-def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict) -> None:
-    loss = model(**b).loss
-    loss.backward()
-    del loss
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
 def _measure_mode(mode: str, plan: str | None, target: int | None) -> dict:
+    # launch/'s measuring helpers (tests/conftest.py puts launch/ on sys.path; the
+    # factory above is imported without it, by the CLI test)
+    from bench_common import PlainFlops
+    from bench_simulate import alive, train_step
     from torch.distributed.fsdp import fully_shard
 
     import ac2_dist as ac
@@ -118,25 +67,25 @@ def _measure_mode(mode: str, plan: str | None, target: int | None) -> dict:
     if mode == "plan":  # steps 1-3 measured: step 1 follows the file, the planner verifies from there
         peaks = []
         for _ in range(3):
-            start = _alive(model, opt, b)
+            start = alive(model, opt, b)
             with AllocationTrace() as trace:
-                _step(model, opt, b)
+                train_step(model, opt, b)
             peaks.append(start + trace.whole.peak_bytes)
             if len(peaks) == 1:
                 calibrations = budget._calibrations
         history = [(r.step, r.what, r.predicted, r.measured, r.note) for r in budget.peak_planner.history]
         return {"peaks": peaks, "calibrations": calibrations, "calibrations_after": budget._calibrations,
                 "history": history, "state": budget.peak_planner.state}
-    _step(model, opt, b)  # step 1 creates the optimizer's states; steps 2-6 are measured
+    train_step(model, opt, b)  # step 1 creates the optimizer's states; steps 2-6 are measured
     peaks = []
     for _ in range(5):
-        start = _alive(model, opt, b)
+        start = alive(model, opt, b)
         with AllocationTrace() as trace:
-            _step(model, opt, b)
+            train_step(model, opt, b)
         peaks.append(start + trace.whole.peak_bytes)
     # Note [A measured CPU step varies with gloo's threads] in tests/test_simulate.py
     out: dict[str, Any] = {"peak": min(peaks), "peaks": peaks, "start": start}
-    counter = _Flops()
+    counter = PlainFlops()
     with counter:
         loss = model(**b).loss
         loss.backward()
