@@ -15,6 +15,7 @@ import importlib.util
 import os
 import re
 import sys
+import sysconfig
 
 import torch
 
@@ -26,9 +27,13 @@ from ac2_dist.integrations import torch_checkpoint
 def main(repo: str) -> None:
     extras = [m for m in ("numpy", "matplotlib", "pytest", "transformers") if importlib.util.find_spec(m) is not None]
     assert not extras, f"the wheel's venv has packages of extras: {extras}"
-    where = os.path.dirname(os.path.abspath(ac.__file__))
-    assert "site-packages" in where and not where.startswith(os.path.abspath(repo)), (
-        f"ac2_dist was imported from {where}, not from the installed wheel")
+    # The venv may live inside the checkout (CI's does), so the test is where the package
+    # sits, not what path it is under: in this interpreter's site-packages, and not the
+    # checkout's own ac2_dist/ (an editable install or the checkout on sys.path).
+    where = os.path.realpath(os.path.dirname(ac.__file__))
+    site = {os.path.realpath(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")}
+    assert os.path.dirname(where) in site and where != os.path.realpath(os.path.join(repo, "ac2_dist")), (
+        f"ac2_dist was imported from {where}, not from the installed wheel in {sorted(site)}")
     with open(os.path.join(repo, "pyproject.toml"), encoding="utf-8") as f:
         version = re.search(r'^version = "([^"]+)"', f.read(), re.MULTILINE).group(1)
     assert ac.__version__ == importlib.metadata.version("ac2-dist") == version, (ac.__version__, version)
