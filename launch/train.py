@@ -132,14 +132,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None,
                    help="end with a table of no AC, torch's checkpoint and --ac on the same model and batches "
                         "(default: on, off with --compile, which would compile every mode)")
-    p.add_argument("--baseline-steps", type=int, default=6,
-                   help="steps per mode in the baseline (>= 3: one warm-up, the timed ones, the last measured)")
+    p.add_argument("--baseline-steps", type=int, default=8,
+                   help="steps per mode in the baseline: one warm-up, the timed ones, then --baseline-measured")
+    p.add_argument("--baseline-measured", type=int, default=3,
+                   help="the baseline's last steps, each measured by ac2_dist.memory.track (its peak column: "
+                        "the lowest and the highest of them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: one GPU per rank if this node has enough, else the CPU; cuda: require them")
     args = p.parse_args(argv)
-    if args.baseline_steps < 3:
-        p.error("--baseline-steps must be at least 3 (a warm-up step, a timed one, a measured one)")
+    if args.baseline_measured < 1:
+        p.error("--baseline-measured must be at least 1")
+    if args.baseline_steps < args.baseline_measured + 2:
+        p.error(f"--baseline-steps must be at least --baseline-measured + 2 = {args.baseline_measured + 2} "
+                "(a warm-up step, a timed one, the measured ones)")
     if args.baseline is None:
         args.baseline = not args.compile
     return args
@@ -209,24 +215,24 @@ def build(args: argparse.Namespace, mode: str, device: torch.device, mesh: Devic
     return model
 
 
-def run_steps(model: Llama, data, steps: int, lr: float, device: torch.device, on_step=None):
-    """``steps`` training steps (AdamW); the last one under ``ac2_dist.memory.track``.
+def run_steps(model: Llama, data, steps: int, lr: float, device: torch.device, on_step=None, measured: int = 1):
+    """``steps`` training steps (AdamW); the last ``measured`` ones under ``ac2_dist.memory.track``.
 
-    Returns (mean loss per step, seconds per step, this rank's report of the last step).
+    Returns (mean loss per step, seconds per step, this rank's reports of the measured steps).
     ``on_step(step, loss, seconds)`` is called after each step on every rank."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     world = dist.get_world_size()
-    losses, seconds, report = [], [], None
+    losses, seconds, reports = [], [], []
     for step in range(1, steps + 1):
         x, y = (t.to(device) for t in next(data))
         t0 = time.perf_counter()
         # A with-block: the tracker's profiler session ends even if the step fails.
-        with (ac.memory.track(model) if step == steps else contextlib.nullcontext()) as tracker:
+        with (ac.memory.track(model) if step > steps - measured else contextlib.nullcontext()) as tracker:
             logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
             loss.backward()
         if tracker is not None:
-            report = tracker.report()
+            reports.append(tracker.report())
         opt.step()
         opt.zero_grad(set_to_none=True)
         value = loss.detach().clone()
@@ -237,7 +243,7 @@ def run_steps(model: Llama, data, steps: int, lr: float, device: torch.device, o
         losses.append(value.item() / world)
         if on_step is not None:
             on_step(step, losses[-1], seconds[-1])
-    return losses, seconds, report
+    return losses, seconds, reports
 
 
 def baseline_modes(mode: str) -> list[str]:
@@ -252,9 +258,12 @@ def baseline_modes(mode: str) -> list[str]:
 
 
 BASELINE_LEGEND = (
-    "peak: the most bytes allocated at any moment of the step (forward or backward), above what was\n"
-    "  allocated when it began; kept: bytes still allocated when forward returned (what the step holds\n"
-    "  for backward); step: median wall time of the timed steps. Figures are the larger rank's.\n"
+    "peak: the most bytes allocated at any moment of a step (forward or backward), above what was\n"
+    "  allocated when it began: the lowest and the highest of the measured steps. Steps of one mode\n"
+    "  differ by when the buffers of FSDP's collectives are freed (on CPU, gloo's threads; up to ~1 MiB\n"
+    "  here, in every mode alike), so modes are compared by their lowest peak;\n"
+    "kept: bytes still allocated when forward returned (what the step holds for backward);\n"
+    "step: median wall time of the timed steps. Figures are the larger rank's.\n"
     "What each row of the per-rank report means: docs/guide/reports.md (glossary)."
 )
 
@@ -262,30 +271,35 @@ BASELINE_LEGEND = (
 def baseline(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> str:
     """The baseline table (rank 0; ``""`` elsewhere): each of :func:`baseline_modes` on a
     fresh model (the same initial weights) and the same batches, ``--baseline-steps``
-    steps: a warm-up step, timed steps, then one step measured by ``memory.track``."""
+    steps: a warm-up step, timed steps, then ``--baseline-measured`` steps measured by
+    ``memory.track`` (peak: their lowest and highest; kept: the highest)."""
     label = {"none": "no AC", "torch-full": "torch checkpoint", "torch-sac": "torch SAC (save matmuls)",
              "ac2-full": "ac2 (recompute_all)", "ac2-sac": "ac2 (save matmuls)"}
     rows = []
     for mode in baseline_modes(args.ac if args.ac != "ac2-budget" else f"ac2-budget-{args.budget}"):
         model = build(args, mode, device, mesh)
         data = batches(corpus(), args.batch, args.seq, args.seed, dist.get_rank())
-        _, seconds, report = run_steps(model, data, args.baseline_steps, args.lr, device)
+        measured = args.baseline_measured
+        _, seconds, reports = run_steps(model, data, args.baseline_steps, args.lr, device, measured=measured)
         del model
-        figures = torch.tensor([max(report.peak_bytes_forward, report.peak_bytes_backward),
-                                report.live_bytes_after_forward, statistics.median(seconds[1:-1]) * 1e6],
+        peaks = [max(r.peak_bytes_forward, r.peak_bytes_backward) for r in reports]
+        figures = torch.tensor([min(peaks), max(peaks), max(r.live_bytes_after_forward for r in reports),
+                                statistics.median(seconds[1:-measured]) * 1e6],
                                dtype=torch.float64, device=device)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-        peak, kept, step_us = figures.tolist()
-        rows.append((label.get(mode, f"ac2 ({mode})"), peak, kept, step_us / 1e3))
+        low, high, kept, step_us = figures.tolist()
+        rows.append((label.get(mode, f"ac2 ({mode})"), low, high, kept, step_us / 1e3))
     if dist.get_rank() != 0:
         return ""
     torch_peak = rows[1][1]
     header = ("mode", "peak MiB", "kept MiB", "step ms", "peak / torch checkpoint")
-    cells = [header] + [(name, f"{peak / 2**20:.1f}", f"{kept / 2**20:.1f}", f"{ms:.1f}", f"{peak / torch_peak:.2f}x")
-                        for name, peak, kept, ms in rows]
+    cells = [header] + [(name, f"{low / 2**20:.1f}" + ("" if measured == 1 else f" - {high / 2**20:.1f}"),
+                         f"{kept / 2**20:.1f}", f"{ms:.1f}", f"{low / torch_peak:.2f}x")
+                        for name, low, high, kept, ms in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    timed = args.baseline_steps - 1 - measured
     lines = [f"baseline (the same model and batches, {args.baseline_steps} steps per mode: 1 warm-up, "
-             f"{args.baseline_steps - 2} timed, the last measured):"]
+             f"{timed} timed, {'the last' if measured == 1 else f'the last {measured}'} measured):"]
     for k, row in enumerate(cells):
         lines.append("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
         if k == 0:
@@ -314,7 +328,7 @@ def train(args: argparse.Namespace, device: torch.device) -> float:
             print(f"step {step:3d}/{args.steps}  loss {loss:.4f}  {tok_s:8.0f} tok/s  {seconds * 1e3:7.1f} ms",
                   flush=True)
 
-    losses, _, report = run_steps(model, data, args.steps, args.lr, device, on_step=show)
+    losses, _, (report,) = run_steps(model, data, args.steps, args.lr, device, on_step=show)
     del model
     reports = ac.memory.gather(report)  # every rank: the list on rank 0, None elsewhere
     if reports is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,18 +24,27 @@ def test_train_py_under_torchrun_writes_report(tmp_path, ac_mode):
     out = os.path.join(tmp_path, "run.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "launch", "train.py"), "--steps", "3", "--layers", "2", "--dim", "64",
-           "--seq", "64", "--batch", "4", "--ac", ac_mode, "--report-json", out, "--baseline-steps", "3"]
+           "--seq", "64", "--batch", "4", "--ac", ac_mode, "--report-json", out,
+           "--baseline-steps", "4", "--baseline-measured", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step   3/3" in proc.stdout and "per-rank memory report" in proc.stdout
     # The job ends with its own baseline: no AC, torch's checkpoint (and its SAC for ac2-sac), ac2.
     table = proc.stdout[proc.stdout.index("baseline (the same model and batches"):]
-    rows = {line.split("  ")[1].strip(): line.split() for line in table.splitlines()[3:]
-            if line.startswith("  ") and line.endswith("x")}  # the rows end with the ratio column
+    # Columns: mode, peak (the lowest - the highest of the 2 measured steps), kept, step, ratio.
+    rows = {cells[0]: cells for cells in (re.split(r"\s{2,}", line.strip()) for line in table.splitlines()[3:]
+                                          if line.startswith("  ") and line.endswith("x"))}
     expected = ["no AC", "torch checkpoint"] + (["torch SAC (save matmuls)", "ac2 (save matmuls)"]
                                                 if ac_mode == "ac2-sac" else ["ac2 (recompute_all)"])
     assert list(rows) == expected, table
-    peak = {name: float(cells[-4]) for name, cells in rows.items()}
+    assert "1 warm-up, 1 timed, the last 2 measured" in table, table
+    low_high = {name: [float(v) for v in cells[1].split(" - ")] for name, cells in rows.items()}
+    assert all(len(v) == 2 and v[0] <= v[1] for v in low_high.values()), table
+    peak = {name: v[0] for name, v in low_high.items()}
+    torch_low = peak["torch checkpoint"]
+    for name, cells in rows.items():  # the ratio is of the lowest peaks (printed to 0.1 MiB, the ratio to 0.01)
+        ratio = float(cells[-1][:-1])
+        assert (peak[name] - 0.05) / (torch_low + 0.05) - 0.005 <= ratio <= (peak[name] + 0.05) / (torch_low - 0.05) + 0.005, table
     assert peak["no AC"] > peak["torch checkpoint"] and rows["torch checkpoint"][-1] == "1.00x", table
     assert "docs/guide/reports.md (glossary)" in table
     data = json.load(open(out))
@@ -60,7 +70,10 @@ def test_train_py_baseline_modes():
     assert train.baseline_modes("ac2-budget-0.5") == ["none", "torch-full", "torch-sac", "ac2-budget-0.5"]
     assert train.baseline_modes("torch-full") == ["none", "torch-full"]
     with pytest.raises(SystemExit):
-        train.parse_args(["--baseline-steps", "2"])
+        train.parse_args(["--baseline-steps", "2", "--baseline-measured", "1"])
+    with pytest.raises(SystemExit):  # a warm-up and a timed step before the measured ones
+        train.parse_args(["--baseline-steps", "4", "--baseline-measured", "3"])
+    assert train.parse_args(["--baseline-steps", "3", "--baseline-measured", "1"]).baseline_measured == 1
     assert train.parse_args([]).baseline and not train.parse_args(["--compile"]).baseline
     assert train.parse_args(["--compile", "--baseline"]).baseline
 

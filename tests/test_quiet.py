@@ -40,7 +40,8 @@ def test_main_job_prints_nothing_from_the_profiler_or_the_allocator(tmp_path):
            if k not in ("OMP_NUM_THREADS", "KINETO_LOG_LEVEL", "TORCH_CPP_LOG_LEVEL")}
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "launch", "train.py"), "--steps", "2", "--baseline-steps", "3"]
+           os.path.join(ROOT, "launch", "train.py"), "--steps", "2", "--baseline-steps", "3",
+           "--baseline-measured", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360, cwd=str(tmp_path), env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "per-rank memory report" in proc.stdout and "baseline" in proc.stdout, proc.stdout

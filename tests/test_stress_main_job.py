@@ -34,7 +34,7 @@ TRAIN = os.path.join(ROOT, "launch", "train.py")
 # The job as users run it (its baseline included: three more sharded models made and
 # dropped before shutdown), sized to take seconds.
 ARGS = ["--steps", "2", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "32", "--batch", "2",
-        "--ac", "ac2-sac", "--baseline-steps", "3"]
+        "--ac", "ac2-sac", "--baseline-steps", "3", "--baseline-measured", "1"]
 RUNS = int(os.environ.get("AC2_STRESS_RUNS", "50"))
 JOB_TIMEOUT = 240.0
 ABORT_MARKERS = ("terminate called", "Fatal Python error", "Segmentation fault")
