@@ -357,10 +357,17 @@ def apply_ac(
     for fqn, module in selected:
         wrap(module, policy, policy_factory=policy_factory, rng=rng,
              allow_cache_entry_mutation=allow_cache_entry_mutation, module_fqn=fqn, replay=config)
-    watch = getattr(policy, "_watch_model", None)  # a MemoryBudget(peak=...): steps begin at model's forward
+    watch_steps(policy, model)
+    return model
+
+
+def watch_steps(policy: Any, model: nn.Module) -> None:
+    """A ``MemoryBudget(peak=...)`` given to :func:`apply_ac` or ``hf.enable``: its steps
+    begin at ``model``'s forward, where ``memory.track(model)``'s do, so that what the model
+    makes before its first checkpointed block (embeddings, masks) counts toward the target."""
+    watch = getattr(policy, "_watch_model", None)
     if callable(watch):
         watch(model)
-    return model
 
 
 def is_checkpointed(module: nn.Module) -> bool:

@@ -30,12 +30,12 @@ Note [Verify, correct, stay put]
     Within the target and using at least ``_USE`` of it (or saving everything there is to
     save): converged. Over the target: each segment's base is raised to what the step
     implies (measured minus the plan's ``dk``) and the plan is solved again. Under by more
-    than ``1 - _USE``: the bases become what the step implies and the plan is solved
-    again. A corrected plan is solved for the target less the largest candidate output:
-    another saved set changes a replay's working set, which no step measured (GPT-2: +48
-    KiB, 3 % of the target). After ``_TRIES`` planned steps the planner keeps the cheapest
-    plan whose measured peak was within the target (the floor if none was) and stops
-    measuring: it converges within three steps (floor, plan, corrected plan) and the saved
+    than ``1 - _USE``: solved again, priced from that step's peaks up (Note [A correction
+    adds to what was measured] in _peak_model.py). A corrected plan is solved for the
+    target less the largest candidate output: another saved set changes a replay's working
+    set, which no step measured (GPT-2: +48 KiB, 3 %). After ``_TRIES`` planned steps the
+    planner keeps the cheapest plan whose measured peak was within the target (the floor
+    if none was) and stops measuring: it converges within three steps (floor, plan, corrected plan) and the saved
     sets do not change afterwards. A step that cannot be measured (on CPU a profiler
     session ac2 did not start is running, Note [A profiler session of the user's]; a
     forward ran without its backward, steps overlapped as under pipeline schedules, a
@@ -83,7 +83,7 @@ from ._alloc import AllocationTrace, active_trace
 from ._alloc_history import AllocatorHistory
 from ._block_problem import BlockBudget, Plan, _Option, _Problem
 from ._device import device_of
-from ._peak_model import _solve
+from ._peak_model import _solve, _solve_from
 from ._peak_step import _all_max, _Call, _missing, _Record, _Step, _watch_model
 from ._pipelining import pipeline_microbatch as _pipeline_microbatch
 from ._sizes import human_bytes as _human
@@ -99,7 +99,6 @@ _MAX_CALLS = 4096  # regions per step the planner follows
 _FOREIGN_PROFILER = "a profiler session ac2 did not start is running"
 _OVERLAP = ("forwards and backwards of several steps interleaved (microbatches in flight, as under a "
             "pipeline schedule, or a forward without its backward)")
-
 
 
 class PlannerOwner(BlockBudget, Protocol):
@@ -496,18 +495,14 @@ class PeakPlanner:
             self._settle(f"after {_TRIES} planned steps: the cheapest plan measured within the target"
                          if self.tried else f"after {_TRIES} planned steps no plan was within the target: the floor")
             return
-        # Over: the bases rise to what the step implies; under: they become it, never below
-        # what a step over the target implied (a plan known to overshoot is not tried again).
-        bases = {}
-        for s in segments:
-            base = max(implied[s], self.guard.get(s, implied[s]))
-            if measured > target:
-                base = max(base, self.bases.get(s, base))
-            bases[s] = base
-        self.bases = bases
+        # Over: the bases rise to what the step implies; under: priced from its peaks up (Note [A correction
+        # adds to what was measured] in _peak_model.py); never below what a step over the target implied.
+        floor = {s: max(implied[s], self.guard.get(s, implied[s])) for s in segments}
+        if measured > target:
+            self.bases = {s: max(floor[s], self.bases.get(s, floor[s])) for s in segments}
         self.structure = list(calls)
         before = self.choice
-        self._plan()
+        self._plan(None if measured > target else (choice, {s: peaks[s] - implied[s] + floor[s] for s in segments}))
         if self.choice == before:
             self._settle("a corrected plan equals the measured one")
 
@@ -561,7 +556,8 @@ class PeakPlanner:
             opts = self._options[signature] = self.problems[signature].frontier()
         return opts
 
-    def _plan(self) -> None:
+    def _plan(self, measured: tuple[tuple[int, ...] | None, dict[str, int]] | None = None) -> None:
+        """The next plan: from the bases, or from a measured plan under the target and its step's peaks."""
         calls = self.structure or []
         if not calls or any(c.signature not in self.problems for c in calls):
             self.choice = None
@@ -571,7 +567,11 @@ class PeakPlanner:
         # a corrected plan keeps the largest candidate output free (Note [Verify, correct, stay put])
         margin = 0 if self.planned_steps == 0 else max(
             (p.records[s].nbytes for p in (self.problems[c.signature] for c in calls) for s in p.candidates), default=0)
-        choice = _solve(options, self.bases or {}, self.target - self.base_abs - margin)
+        cap = self.target - self.base_abs - margin
+        if measured is None:
+            choice = _solve(options, self.bases or {}, cap)
+        else:
+            choice, self.bases = _solve_from(options, [self.problems[c.signature] for c in calls], *measured, cap)
         if choice is not None and all(i == 0 for i in choice):
             choice = None
         self._install(choice)

@@ -39,16 +39,46 @@ Note [The peak model]
     do not all add at its backward's peak; under FSDP, step 1 also holds one-time
     buffers (lazy initialization). So the first plan measures below its prediction
     (0.69-0.83 of the target in the tests) and the correction step uses the rest.
+
+Note [A correction adds to what was measured]
+    A plan A that measured under the target corrects from that step's segment peaks, not
+    from bases implied by subtracting A's ``dk``: how much of ``dk`` a block's saves
+    really added is what the model does not know. Block k's own saves add little at its
+    backward (they stand in for what the floor recomputes there), so ``peak - dk(A)``
+    undercounts a base by what A saved in block k, and a plan B that moved saves from
+    block k to earlier blocks then measures above its prediction (HF GPT-2, 30 % of the
+    way from the floor to no AC: predicted 1.39 MB, measured 1.53 MB, 3.6 % over the
+    target). So a corrected plan is priced from A's measured peaks upward: each option of
+    block j costs what it holds beyond A's saved set, ``held(o | A_j) - held(A_j)``
+    (:func:`_above`), and what it would stop saving frees nothing, so
+
+        predicted(B) = max over segments s of  peak_A(s) + sum(above_j(B_j) for j in alive(s))
+
+    which errs high as the first model does; the largest candidate output stays free as
+    before (Note [Verify, correct, stay put] in _peak.py). The planner then stores the
+    bases this prediction implies for B, so later corrections and ``describe()`` read one
+    model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 from ._block_problem import _Option
 
 __all__: list[str] = []
+
+
+def _above(options: list[_Option], problem: Any, measured: frozenset) -> tuple[list[_Option], list[int]]:
+    """``options`` of one block priced from a measured saved set (Note [A correction adds
+    to what was measured]): each option's ``dk`` becomes ``held(o | measured) -
+    held(measured)`` (never below 0); sorted by it, as :func:`_solve` needs, with each
+    one's index in ``options``."""
+    held = problem.evaluate(measured)[0]
+    priced = sorted((max(0, problem.evaluate(o.saved | measured)[0] - held), i) for i, o in enumerate(options))
+    return [dataclasses.replace(options[i], dk=dk) for dk, i in priced], [i for _, i in priced]
 
 _GRID = 4096  # the DP rounds bytes up to target / _GRID
 
@@ -94,3 +124,20 @@ def _solve(options: list[list[_Option]], bases: dict[str, int], target: int) -> 
         picked.append(back[0])
         back = back[1]
     return tuple(reversed(picked))
+
+
+def _solve_from(options: list[list[_Option]], problems: list[Any], measured: tuple[int, ...] | None,
+                peaks: dict[str, int], target: int) -> tuple[tuple[int, ...], dict[str, int]]:
+    """A corrected plan (Note [A correction adds to what was measured]): the cheapest choice
+    whose prediction from the measured plan ``measured`` (an option index per block; None:
+    the floor) and its step's segment ``peaks`` fits ``target``, or ``measured`` itself if
+    none does; and the bases that prediction implies for the model of :func:`_solve`."""
+    priced, back = [], []
+    for opts, problem, i in zip(options, problems, measured or [0] * len(options)):
+        p, b = _above(opts, problem, opts[i].saved)
+        priced.append(p)
+        back.append(b)
+    picked = _solve(priced, peaks, target)
+    choice = tuple(measured or [0] * len(options)) if picked is None else tuple(b[i] for b, i in zip(back, picked))
+    extra = [p[b.index(i)].dk - opts[i].dk for p, b, opts, i in zip(priced, back, options, choice)]
+    return choice, {s: base + sum(extra[:int(s.split(":")[1]) + 1]) for s, base in peaks.items()}

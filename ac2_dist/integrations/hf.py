@@ -62,6 +62,7 @@ import torch
 import transformers
 
 from .._dropin import checkpoint_with, is_ac2_checkpoint
+from .._modules import watch_steps
 from .._policy import PolicyLike, PolicySource
 
 __all__ = ["enable", "disable", "is_enabled", "torch_checkpointed"]
@@ -140,6 +141,7 @@ def enable(
     func = checkpoint_with(policy, policy_factory=policy_factory, rng=rng, allow_cache_entry_mutation=allow)
     _hf_enable(hf_model, every_n_layers)
     _install(hf_model, func)
+    watch_steps(policy, model)  # a peak target's steps begin at the forward of the model users call
     for name in _SWITCHES[:2]:  # Note [A second switch keeps ac2]
         current = hf_model.__dict__.get(name)
         if hasattr(type(hf_model), name) and (current is None or isinstance(current, _KeepAc2)):
