@@ -55,6 +55,11 @@ class _QuietProfile(profile):
     """ac2's own session: kineto prints nothing as it starts and stops (Note [ac2's
     profiler session prints nothing] in _quiet.py)."""
 
+    def prepare_trace(self) -> None:
+        with warnings.catch_warnings():  # torch 2.10 and 2.11 warn at any session's first cycle
+            warnings.filterwarnings("ignore", message=_quiet.CYCLE_WARNING, category=UserWarning)
+            super().prepare_trace()
+
     def start_trace(self) -> None:
         with _quiet.kineto_quiet():
             super().start_trace()

@@ -14,9 +14,9 @@ for is :class:`BlockBudget`.
 
 Note [Cost model]
     The recompute cost of an op is a roofline estimate: ``max(flops / F, bytes / W)``
-    seconds, FLOPs from ``torch.utils.flop_counter``'s registry (or an op of the same
-    arithmetic's formula, :data:`_FLOP_ALIASES`: CPU flash attention has none of its own;
-    0 for ops it does not know: they are costed by their bytes), bytes the op's tensor inputs and outputs,
+    seconds, FLOPs from ``torch.utils.flop_counter``'s registry (Note [FLOPs torch's
+    registry does not give] in _flops.py: CPU flash attention, grouped-query attention on
+    torch 2.10-2.11; 0 for ops it does not know: they are costed by their bytes), bytes the op's tensor inputs and outputs,
     and ``F`` / ``W`` fixed rates per device type (:data:`_NOMINAL_RATES`), not timed
     in the process: the same budget and shapes give the same plan on every rank (a
     replay that unshards a nested FSDP unit issues a collective, so plans that differ
@@ -45,7 +45,8 @@ from typing import Any, Protocol
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
-from torch.utils.flop_counter import flop_registry
+
+from ._flops import op_flops
 
 __all__ = ["BlockBudget", "Plan"]
 
@@ -94,23 +95,10 @@ class _CostModel:
 
     def estimate(self, func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, float]:
         """(FLOPs, estimated seconds) of one op call."""
-        flops = 0
-        packet = getattr(func, "_overloadpacket", None)
-        formula = flop_registry.get(_FLOP_ALIASES.get(packet, packet)) if packet is not None else None
-        if formula is not None:
-            try:
-                flops = int(formula(*args, **kwargs, out_val=out))
-            except Exception:  # a formula that does not accept these arguments
-                flops = 0
+        flops = op_flops(func, args, kwargs, out)
         moved = _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
         return flops, max(flops / self.flops_per_s, moved / self.bytes_per_s)
 
-
-#: Ops the FLOP registry has no formula for, costed with the formula of an op that does
-#: the same arithmetic (CPU flash attention: the CUDA kernel's; same q/k/v arguments first).
-_FLOP_ALIASES = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: torch.ops.aten._scaled_dot_product_flash_attention,
-}
 
 # See Note [Cost model].
 #: FLOP/s and bytes/s per device type. CPU: measured on the

@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import ac2_dist as ac
 from ac2_dist._alloc import AllocationTrace
-from ac2_dist._block_problem import _FLOP_ALIASES  # ops without a formula of their own
+from ac2_dist._flops import op_flops  # torch's formulas, with what its registry does not give
 
 aten = torch.ops.aten
 SAVE_OPS = [aten.mm.default, aten.addmm.default]
@@ -129,7 +129,8 @@ class PlainFlops(torch.utils._python_dispatch.TorchDispatchMode):
     """FLOPs from torch's formula registry, dispatching every op unchanged (FlopCounterMode
     decomposes ops it has no formula for -- CPU flash attention -- and a checkpointed
     block then shows ac2 another structure). CPU flash attention is counted with the
-    CUDA flash kernel's formula (the same q/k/v arithmetic)."""
+    CUDA flash kernel's formula (the same q/k/v arithmetic), grouped-query attention on
+    torch 2.10-2.11 as 2.13 counts it (ac2_dist/_flops.py); a formula that fails raises."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -139,14 +140,9 @@ class PlainFlops(torch.utils._python_dispatch.TorchDispatchMode):
         return self.flops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils.flop_counter import flop_registry
-
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        formula = flop_registry.get(_FLOP_ALIASES.get(packet, packet))
-        if formula is not None:
-            self.flops += int(formula(*args, **kwargs, out_val=out))
+        self.flops += op_flops(func, args, kwargs, out, strict=True)
         return out
 
 
