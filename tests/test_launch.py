@@ -213,6 +213,24 @@ def test_bench_hf_runs():
         assert results[mode]["peak_bytes"] <= results["hf-torch"]["peak_bytes"]
 
 
+def test_bench_peak_targets_runs(tmp_path):
+    """The peak-target sweep runs: HF GPT-2 at 3 targets, every step within its target (the
+    regression it measured, 30 % of the way: tests/test_peak_budget.py)."""
+    pytest.importorskip("transformers", reason="the 'test' extra installs transformers")
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import bench_peak_targets
+
+    out_json = os.path.join(tmp_path, "peaks.json")
+    # 3 targets: 0.25, 0.5, 0.75 of the way from the floor's peak to no AC's.
+    out = bench_peak_targets.main(["--models", "gpt2", "--targets", "3", "--steps", "4", "--json", out_json])
+    (model,) = out["models"]
+    assert model["floor_peak"] < model["no_ac_peak"] and len(model["rows"]) == 3
+    for row in model["rows"]:
+        assert len(row["peak_over_target"]) == 4 and row["state"] == "settled", row
+        assert row["worst"] == max(row["peak_over_target"]) <= 1.02, row
+    assert json.load(open(out_json))["worst"] == out["worst"] <= 1.02
+
+
 @pytest.mark.slow
 @needs_matplotlib
 def test_bench_core_budget_sweep(tmp_path):

@@ -1,0 +1,112 @@
+"""``MemoryBudget(peak=N)`` on Hugging Face models: is every step within its target?
+
+    python launch/bench_peak_targets.py                      # GPT-2, Llama, BERT; 9 targets; 5 steps
+    python launch/bench_peak_targets.py --models gpt2 --targets 19 --json out.json
+
+Each model is built from a small config (random weights, nothing downloaded; GPT-2 and
+BERT with dropout 0.1, Llama with grouped-query attention), its layers checkpointed by
+``apply_ac`` on HF's checkpointed layer types. The targets are evenly spaced between the
+floor's peak (``"recompute_all"``) and no AC's, both measured here first. For each target
+a fresh model and budget run ``--steps`` steps; every step's peak is read from the
+allocator's events (bytes above what was allocated when the step began, the scale of a
+CPU peak target), not from ac2's reports. Printed per target: each step's peak / target,
+the planner's state, and the worst step; then the worst over all. The planner measures
+step 1 at the floor, verifies its plan at step 2, a corrected plan at step 3 when step 2
+used less than 97 % of the target, and follows one plan from then on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import measure_memory, write_json  # noqa: E402
+
+import ac2_dist as ac  # noqa: E402
+
+V, S, B = 128, 32, 2  # vocab, sequence, batch
+
+
+def build(name: str) -> torch.nn.Module:
+    """A small HF model from its config (``gpt2``, ``llama``, ``bert``), in train mode."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=V, n_embd=64, n_layer=3, n_head=4, n_positions=64,
+                                               resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
+    elif name == "llama":
+        model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128,
+                                                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                                 max_position_embeddings=64))
+    elif name == "bert":
+        model = T.BertForMaskedLM(T.BertConfig(vocab_size=V, hidden_size=64, num_hidden_layers=3,
+                                               num_attention_heads=4, intermediate_size=128,
+                                               max_position_embeddings=64, hidden_dropout_prob=0.1,
+                                               attention_probs_dropout_prob=0.1))
+    else:
+        raise ValueError(f"unknown model {name!r}: gpt2, llama or bert")
+    return model.train()
+
+
+def layer_types(model: torch.nn.Module) -> list[type]:
+    """The layer types HF's own gradient checkpointing checkpoints."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return sorted({type(m) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)},
+                  key=lambda t: t.__name__)
+
+
+def loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids).logits.float().square().mean()
+
+
+def peak(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    return measure_memory(model, ids, loss)["peak_bytes"]
+
+
+def sweep(name: str, targets: int, steps: int) -> dict:
+    base = build(name)
+    types = layer_types(base)
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
+    eager = copy.deepcopy(base)
+    floor_model = ac.apply_ac(copy.deepcopy(base), "recompute_all", modules=types)
+    eager_peak = min(peak(eager, ids) for _ in range(2))
+    floor_peak = min(peak(floor_model, ids) for _ in range(2))
+    rows = []
+    for i in range(1, targets + 1):
+        fraction = i / (targets + 1)
+        target = floor_peak + round(fraction * (eager_peak - floor_peak))
+        budget = ac.MemoryBudget(peak=target)
+        model = ac.apply_ac(copy.deepcopy(base), budget, modules=types)
+        ratios = [peak(model, ids) / target for _ in range(steps)]
+        rows.append({"fraction": fraction, "target": target, "peak_over_target": ratios,
+                     "state": budget.peak_planner.state, "worst": max(ratios), "settled_use": ratios[-1]})
+        print(f"{name:6} {fraction:4.2f} of the way  target {target:>9} B  steps "
+              + " ".join(f"{r:.3f}" for r in ratios) + f"  {budget.peak_planner.state}", flush=True)
+    return {"model": name, "floor_peak": floor_peak, "no_ac_peak": eager_peak, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="gpt2,llama,bert", help="comma-separated: gpt2, llama, bert")
+    p.add_argument("--targets", type=int, default=9, help="targets between the floor's peak and no AC's")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.targets < 1 or args.steps < 1:
+        p.error("--targets and --steps must be at least 1")
+    print(f"torch {torch.__version__}; each step's allocator peak / its target ({args.steps} steps per target)")
+    results = [sweep(name, args.targets, args.steps) for name in args.models.split(",")]
+    worst = max(r["worst"] for res in results for r in res["rows"])
+    print(f"worst step over all targets: {worst:.3f} of its target")
+    return write_json(args.json, {"torch": torch.__version__, "steps": args.steps, "models": results, "worst": worst})
+
+
+if __name__ == "__main__":
+    main()
