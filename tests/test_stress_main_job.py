@@ -20,6 +20,7 @@ the ranks under gdb); with the new one, none.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -40,12 +41,33 @@ JOB_TIMEOUT = 240.0
 ABORT_MARKERS = ("terminate called", "Fatal Python error", "Segmentation fault")
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports (all held open until all are chosen)."""
-    socks = [socket.socket() for _ in range(n)]
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux; 32768 elsewhere)."""
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports below the ephemeral range (all held open until all are
+    chosen). A port the kernel picked (``bind(0)``) is an ephemeral one: between its
+    choice and the rank-0 store's bind, the other job's gloo connections can take it as
+    their local port (a run failed so: EADDRINUSE in rendezvous, 1 in 50). Ports below the
+    range are never given to outgoing connections."""
+    rng = random.Random()
+    high = _ephemeral_low()
+    socks: list[socket.socket] = []
+    try:
+        while len(socks) < n:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", rng.randrange(max(1024, high - 8192), high)))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
