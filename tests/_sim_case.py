@@ -64,25 +64,26 @@ def _measure_mode(mode: str, plan: str | None, target: int | None) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     torch.manual_seed(1)
     b = batch()
+
+    def measured_step() -> tuple[int, int]:
+        """One training step: (bytes alive at its start, its absolute peak from the allocator)."""
+        start = alive(model, opt, b)
+        with AllocationTrace() as trace:
+            train_step(model, opt, b)
+        return start, start + trace.whole.peak_bytes
+
     if mode == "plan":  # steps 1-3 measured: step 1 follows the file, the planner verifies from there
         peaks = []
         for _ in range(3):
-            start = alive(model, opt, b)
-            with AllocationTrace() as trace:
-                train_step(model, opt, b)
-            peaks.append(start + trace.whole.peak_bytes)
+            peaks.append(measured_step()[1])
             if len(peaks) == 1:
                 calibrations = budget._calibrations
         history = [(r.step, r.what, r.predicted, r.measured, r.note) for r in budget.peak_planner.history]
         return {"peaks": peaks, "calibrations": calibrations, "calibrations_after": budget._calibrations,
                 "history": history, "state": budget.peak_planner.state}
     train_step(model, opt, b)  # step 1 creates the optimizer's states; steps 2-6 are measured
-    peaks = []
-    for _ in range(5):
-        start = alive(model, opt, b)
-        with AllocationTrace() as trace:
-            train_step(model, opt, b)
-        peaks.append(start + trace.whole.peak_bytes)
+    steps = [measured_step() for _ in range(5)]
+    start, peaks = steps[-1][0], [peak for _, peak in steps]
     # Note [A measured CPU step varies with gloo's threads] in tests/test_simulate.py
     out: dict[str, Any] = {"peak": min(peaks), "peaks": peaks, "start": start}
     counter = PlainFlops()

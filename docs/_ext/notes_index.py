@@ -137,6 +137,31 @@ def setup(app):  # the Sphinx extension
 
     logger = logging.getLogger(__name__)
 
+    def _table(widths, header, rows, literal):
+        """A docutils table: ``header`` then ``rows`` (tuples of strings); ``literal`` says
+        which columns are set as code."""
+        table = nodes.table()
+        group = nodes.tgroup(cols=len(widths))
+        table += group
+        for width in widths:
+            group += nodes.colspec(colwidth=width)
+        head, body = nodes.thead(), nodes.tbody()
+        group += head
+        group += body
+
+        def row(cells, lit):
+            r = nodes.row()
+            for text, code in zip(cells, lit):
+                entry = nodes.entry()
+                entry += nodes.paragraph("", "", nodes.literal(text, text) if code else nodes.Text(text))
+                r += entry
+            return r
+
+        head += row(header, [False] * len(header))
+        for cells in rows:
+            body += row(cells, literal)
+        return table
+
     class NotesIndex(SphinxDirective):
         """``notes-index``: a table of every Note (title, where defined, references)."""
 
@@ -145,29 +170,12 @@ def setup(app):  # the Sphinx extension
             for title, where in dangling:
                 logger.warning(f"Note [{title}] referred to at {where} is defined nowhere "
                                "(define it, or fix the reference's title)", location=self.get_location())
-            table = nodes.table()
-            group = nodes.tgroup(cols=3)
-            table += group
-            for width in (40, 35, 25):
-                group += nodes.colspec(colwidth=width)
-            head = nodes.thead()
-            group += head
-            body = nodes.tbody()
-            group += body
-
-            def row(cells, literal=(False, True, False)):
-                r = nodes.row()
-                for text, lit in zip(cells, literal):
-                    entry = nodes.entry()
-                    entry += nodes.paragraph("", "", nodes.literal(text, text) if lit else nodes.Text(text))
-                    r += entry
-                return r
-
-            head += row(("Note", "defined in", "referred to"), (False, False, False))
+            rows = []
             for note in notes:
                 files = sorted({w.split(":")[0] for w in note.references})
                 refs = f"{len(note.references)} place(s)" + (f" in {len(files)} file(s)" if files else "")
-                body += row((note.title, ", ".join(note.defined), refs))
+                rows.append((note.title, ", ".join(note.defined), refs))
+            table = _table((40, 35, 25), ("Note", "defined in", "referred to"), rows, (False, True, False))
             summary = nodes.paragraph("", f"{len(notes)} Notes, generated from the sources when these docs were built.")
             return [summary, table]
 
@@ -176,28 +184,9 @@ def setup(app):  # the Sphinx extension
         count and its docstring's first sentence (the one concept it holds)."""
 
         def run(self):
-            table = nodes.table()
-            group = nodes.tgroup(cols=3)
-            table += group
-            for width in (30, 8, 62):
-                group += nodes.colspec(colwidth=width)
-            head = nodes.thead()
-            group += head
-            body = nodes.tbody()
-            group += body
-
-            def row(cells, literal):
-                r = nodes.row()
-                for text, lit in zip(cells, literal):
-                    entry = nodes.entry()
-                    entry += nodes.paragraph("", "", nodes.literal(text, text) if lit else nodes.Text(text))
-                    r += entry
-                return r
-
-            head += row(("module", "lines", "what it holds"), (False, False, False))
             found = modules()
-            for path, first, lines in found:
-                body += row((path, str(lines), first), (True, False, False))
+            table = _table((30, 8, 62), ("module", "lines", "what it holds"),
+                           [(path, str(lines), first) for path, first, lines in found], (True, False, False))
             total = sum(lines for _, _, lines in found)
             summary = nodes.paragraph("", f"{len(found)} modules, {total} lines, counted from the sources "
                                       "when these docs were built.")
