@@ -497,12 +497,12 @@ class PeakPlanner:
             return
         # Over: the bases rise to what the step implies; under: priced from its peaks up (Note [A correction
         # adds to what was measured] in _peak_model.py); never below what a step over the target implied.
-        floor = {s: max(implied[s], self.guard.get(s, implied[s])) for s in segments}
+        lowest = {s: max(implied[s], self.guard.get(s, implied[s])) for s in segments}
         if measured > target:
-            self.bases = {s: max(floor[s], self.bases.get(s, floor[s])) for s in segments}
+            self.bases = {s: max(lowest[s], self.bases.get(s, lowest[s])) for s in segments}
         self.structure = list(calls)
         before = self.choice
-        self._plan(None if measured > target else (choice, {s: peaks[s] - implied[s] + floor[s] for s in segments}))
+        self._plan(None if measured > target else (choice, {s: peaks[s] - implied[s] + lowest[s] for s in segments}))
         if self.choice == before:
             self._settle("a corrected plan equals the measured one")
 
