@@ -15,7 +15,7 @@ import sys
 import tarfile
 import zipfile
 
-SDIST = ["pyproject.toml", "README.md", "LICENSE", "ac2_dist/__init__.py", "ac2_dist/_crecord.c", "ac2_dist/py.typed",
+SDIST = ["pyproject.toml", "README.md", "LICENSE", "ac2_dist/__init__.py", "ac2_dist/_trace/_crecord.c", "ac2_dist/py.typed",
          "ac2_dist/integrations/hf.py"]
 WHEEL = ["ac2_dist/__init__.py", "ac2_dist/py.typed", "ac2_dist/distributed.py", "ac2_dist/report.py",
          "ac2_dist/integrations/hf.py", "ac2_dist/integrations/torch_checkpoint.py"]

@@ -2,7 +2,7 @@
 
     cd /somewhere/outside/the/checkout && python REPO/.ci/smoke_wheel.py REPO
 
-Checks that ac2_dist comes from site-packages (not the checkout), that its version is
+Checks that ac2_dist comes from site-packages (not the checkout), that importing it prints nothing, that its version is
 pyproject.toml's and the metadata's, that py.typed and the C recorder are installed, that
 every public name and the torch-only integration import, and that a checkpointed model
 trains with eager's gradients and a memory report. Raises (exit 1) on the first failure.
@@ -14,19 +14,24 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import subprocess
 import sys
 import sysconfig
 
 import torch
 
 import ac2_dist as ac
-from ac2_dist import _tracer
+from ac2_dist._trace import _tracer
 from ac2_dist.integrations import torch_checkpoint
 
 
 def main(repo: str) -> None:
     extras = [m for m in ("numpy", "matplotlib", "pytest", "transformers") if importlib.util.find_spec(m) is not None]
     assert not extras, f"the wheel's venv has packages of extras: {extras}"
+    # Without numpy, the package's own import prints nothing (Note [A silent import] in _compat.py).
+    quiet = subprocess.run([sys.executable, "-c", "import ac2_dist"], capture_output=True, text=True, timeout=600)
+    assert quiet.returncode == 0 and not quiet.stdout and not quiet.stderr, (
+        f"'import ac2_dist' printed:\n{quiet.stdout}{quiet.stderr}")
     # The venv may live inside the checkout (CI's does), so the test is where the package
     # sits, not what path it is under: in this interpreter's site-packages, and not the
     # checkout's own ac2_dist/ (an editable install or the checkout on sys.path).

@@ -51,10 +51,10 @@ from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
 from . import distributed, fsdp, memory, offload  # noqa: E402
 from ._dropin import checkpoint, checkpoint_sequential, checkpoint_with  # noqa: E402
-from ._graph import GraphStats  # noqa: E402
 from ._modules import apply_ac, is_checkpointed, unwrap, wrap  # noqa: E402
 from ._policy import SAVE_WITH_HOOKS, PolicyContext  # noqa: E402
 from ._region import apply_ac_policy, apply_ac_policy_fn, is_checkpoint_enabled, tag_with_policy  # noqa: E402
+from ._trace._graph import GraphStats  # noqa: E402
 from .budget import MemoryBudget  # noqa: E402
 from .offload import Offload  # noqa: E402
 from .replay import ReplayConfig  # noqa: E402

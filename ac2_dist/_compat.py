@@ -17,10 +17,20 @@ Note [Supported torch versions]
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
-import torch
-import torch.utils.checkpoint
+# Note [A silent import]
+#     Without NumPy (torch does not need it, and neither does ac2: Note [Gather without
+#     numpy] in _measure/_run_file.py) torch warns "Failed to initialize NumPy" from
+#     inside its own import, and the warning is shown when torch is first imported by a
+#     package rather than by the user's script: ``import ac2_dist`` printed it where
+#     ``import torch`` prints nothing. ac2's import hides that one message, only while it
+#     imports torch; nothing else is filtered, and nothing after.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch
+    import torch.utils.checkpoint
 
 __all__ = ["TORCH_FLOOR", "CPU_OFFLOAD", "MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD", "check_torch"]
 

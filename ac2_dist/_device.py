@@ -79,3 +79,12 @@ def recorded_device(graph: Any) -> torch.device:
     refs = graph.map.recent(_RECORDED_SCAN) if graph.map is not None else []
     found = _first_cuda(ref() for ref in refs)
     return CPU if found is None else found
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    """The default generator an op without ``generator=`` draws from on ``device``."""
+    if device.type == "cpu":
+        return torch.default_generator
+    mod = getattr(torch, device.type)
+    index = device.index if device.index is not None else mod.current_device()
+    return mod.default_generators[index]

@@ -41,6 +41,7 @@ Note [torch's checkpoint arguments in ac2]
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import warnings
@@ -54,9 +55,9 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from ._graph import Graph
 from ._policy import PolicyLike, PolicySource
 from ._region import function_region, region_scope
+from ._trace._graph import Graph
 from .compile import (
     is_compiling,
 )
@@ -204,6 +205,14 @@ class checkpoint_with:  # noqa: N801 -- used like a function: checkpoint_with(po
         self.policy_factory = policy_factory
         self.rng = rng
         self.allow_cache_entry_mutation = allow_cache_entry_mutation
+        self._module_fqn = ""  # the module whose forward this instance checkpoints (_for_module)
+
+    def _for_module(self, module_fqn: str) -> checkpoint_with:
+        """This instance's options for the calls of one module: its regions carry the
+        module's path (``ctx.module_fqn``, reports' per-module rows, a budget's plans)."""
+        bound = copy.copy(self)
+        bound._module_fqn = module_fqn
+        return bound
 
     def __call__(
         self,
@@ -225,7 +234,7 @@ class checkpoint_with:  # noqa: N801 -- used like a function: checkpoint_with(po
                  self.allow_cache_entry_mutation)
         if function is None and not args:
             return _decorator(bound, kwargs)
-        return _checkpoint(function, args, kwargs, *bound, stacklevel=3)
+        return _checkpoint(function, args, kwargs, *bound, stacklevel=3, module_fqn=self._module_fqn)
 
     def __repr__(self) -> str:
         return (f"ac2_dist.checkpoint_with(policy={self.policy!r}, policy_factory={self.policy_factory!r}, "
@@ -310,8 +319,10 @@ def _checkpoint(
     function: Callable[..., Any], args: tuple, kwargs: dict, use_reentrant: Any, context_fn: Any,
     determinism_check: Any, debug: Any, preserve_rng_state: Any, early_stop: Any, respect_hooks: Any,
     policy: Any, policy_factory: Any, rng: str | None, allow_cache_entry_mutation: bool, stacklevel: int,
+    module_fqn: str = "",
 ) -> Any:
-    """:func:`checkpoint` and :class:`checkpoint_with`, their arguments sorted out."""
+    """:func:`checkpoint` and :class:`checkpoint_with`, their arguments sorted out;
+    ``module_fqn``: the module whose forward ``function`` runs, if known."""
     if use_reentrant not in (None, False, True):
         raise TypeError(f"ac2_dist.checkpoint: use_reentrant must be a bool or None, got {use_reentrant!r}")
     if use_reentrant:
@@ -343,7 +354,7 @@ def _checkpoint(
         else:
             return _with_context_fn(function, args, kwargs, context_fn, rng, allow_cache_entry_mutation)
     return function_region(function, args, kwargs, policy, policy_factory, rng, allow_cache_entry_mutation,
-                           "checkpoint")
+                           "checkpoint", module_fqn)
 
 
 def _with_context_fn(function, args, kwargs, context_fn, rng, allow_mutation) -> Any:

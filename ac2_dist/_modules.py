@@ -1,4 +1,4 @@
-"""Module API: checkpoint modules in place (CONTRACT §6).
+"""Module API: checkpoint modules in place.
 
 ``wrap`` replaces a module's ``forward`` (an instance attribute, so the module tree,
 its FQNs and state-dict keys do not change) with a :class:`_CheckpointedForward` that

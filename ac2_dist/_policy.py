@@ -1,30 +1,28 @@
 """Policies: what a region decides for each op, and how nested regions combine.
 
-A user policy is anything CONTRACT §1/§2 accepts (a string, a callable with torch's
-selective-checkpoint signature, an iterable of ``OpOverload`` to save). It is
-normalized once, when the region is entered, into a :class:`_Frame`; the tracer
-then asks :func:`resolve` for each op and gets back a :data:`Decision`.
+A user policy is anything a region accepts (``ACCEPTED_FORMS``: a string, a callable
+with torch's selective-checkpoint signature, an iterable of ``OpOverload`` to save, a
+region-scoped policy such as a ``MemoryBudget``). It is normalized once, when the
+region is entered, into a :class:`_Frame`; the tracer then asks :func:`resolve` for
+each op and gets back a :data:`Decision`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Protocol
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from ._compat import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD
 
-if TYPE_CHECKING:
-    from .budget import MemoryBudget
-
 __all__ = ["CheckpointPolicy", "SAVE_WITH_HOOKS", "PolicyContext", "PolicyLike", "PolicySource"]
 
 _CP = CheckpointPolicy
 
 
-class SAVE_WITH_HOOKS:  # noqa: N801 - public name fixed by CONTRACT §2
+class SAVE_WITH_HOOKS:  # noqa: N801 - a public name, spelled as a policy's answers are
     """Policy result: save the op's output as ``pack(t)``; restore it with ``unpack``.
 
     Use it to offload or compress selected activations::
@@ -73,11 +71,21 @@ class PolicyContext(SelectiveCheckpointContext):
 
 PolicyFn = Callable[..., CheckpointPolicy | bool | SAVE_WITH_HOOKS]
 OpLike = torch._ops.OpOverload | torch._ops.OpOverloadPacket | torch._ops.HigherOrderOperator
-# Every form _Frame accepts (a MemoryBudget by name: budget.py imports this module).
-PolicyLike = Union[  # noqa: UP007 (a forward reference cannot be an operand of |)
-    str, bool, CheckpointPolicy, SAVE_WITH_HOOKS, PolicyFn, Iterable[OpLike], Mapping[OpLike, CheckpointPolicy],
-    "MemoryBudget",
-]
+
+
+class RegionScopedPolicy(Protocol):
+    """A policy that makes a fresh per-op policy for every region entry (an
+    :class:`ac2_dist.MemoryBudget`): what a region asks of it, named here so that the
+    policy stage never imports the planner (Note [Region-scoped policies])."""
+
+    def new_region_policy(self, module_fqn: str) -> PolicyFn: ...
+
+
+# Every form _Frame accepts.
+PolicyLike = (
+    str | bool | CheckpointPolicy | SAVE_WITH_HOOKS | PolicyFn | Iterable[OpLike] | Mapping[OpLike, CheckpointPolicy]
+    | RegionScopedPolicy
+)
 Decision = CheckpointPolicy | SAVE_WITH_HOOKS
 
 _STRINGS: dict[str, CheckpointPolicy] = {

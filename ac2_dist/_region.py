@@ -50,11 +50,11 @@ from typing import Any, TypeVar
 import torch
 
 from ._device import device_of, recorded_device
-from ._graph import Graph
-from ._graph_stats import GraphStats
 from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, PolicySource, _Frame, is_save
 from ._streams import region_streams
-from ._tracer import Tracer, pack_hook, track_what_the_graph_holds
+from ._trace._graph import Graph
+from ._trace._graph_stats import GraphStats
+from ._trace._tracer import Tracer, pack_hook, track_what_the_graph_holds
 from .compile import (
     checkpoint_compiled,
     in_eager_fallback,
@@ -133,7 +133,7 @@ def _rank() -> int:
     return 0
 
 
-class apply_ac_policy:  # noqa: N801 - public name fixed by CONTRACT §1
+class apply_ac_policy:  # noqa: N801 - a public name, used as a function (a context manager)
     """Checkpoint the ops run inside this ``with`` block under ``policy``.
 
     Every ATen op in the block is recorded; autograd's saved tensors are replaced by
@@ -380,16 +380,17 @@ def apply_ac_policy_fn(
 
 
 def function_region(fn: Callable[..., T], args: tuple, kwargs: dict, policy: Any, policy_factory: Any,
-                    rng: str, allow_mutation: bool, where: str) -> T:
+                    rng: str, allow_mutation: bool, where: str, module_fqn: str = "") -> T:
     """``fn(*args, **kwargs)`` in a function region: eager, or inside ``torch.compile`` one
-    checkpointed region of the compiled graph."""
+    checkpointed region of the compiled graph. ``module_fqn``: the module ``fn`` is the
+    forward of, when the caller knows it (policies see it, reports and budgets key on it)."""
     # See Note [Regions inside compiled code].
     if _compiling():  # the policy is built when AOTAutograd asks (compile.policy_context_fn)
         if is_region_scoped(policy):
             refuse_budget_compiled()
         context_fn = policy_context_fn(policy, policy_factory, rng, allow_mutation)
         return checkpoint_compiled(fn, context_fn, *args, **kwargs)
-    source = PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow_mutation, module_fqn="",
+    source = PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow_mutation, module_fqn=module_fqn,
                           where=where)
     return eager_region(fn, source, args, kwargs)
 

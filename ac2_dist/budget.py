@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from . import _sim_plan
-from ._block_problem import Plan, _CostModel, _Problem
-from ._budget_region import _BudgetRegion
-from ._peak import PeakPlanner
+from ._plan import _plan_file
+from ._plan._block_problem import Plan, _CostModel, _Problem
+from ._plan._budget_region import _BudgetRegion
+from ._plan._peak import PeakPlanner
 from ._sizes import human_bytes as _human
 from ._sizes import parse_size
 
@@ -98,7 +98,7 @@ class MemoryBudget:
         self,
         fraction: float | Callable[[int], float] | None = None,
         *,
-        bytes: int | Callable[[int], int] | None = None,  # noqa: A002 - public name fixed by CONTRACT §11
+        bytes: int | Callable[[int], int] | None = None,  # noqa: A002 - the public keyword (MemoryBudget(bytes=...))
         peak: int | str | Callable[[int], int | str] | None = None,
         strict: bool = False,
         plan: str | None = None,
@@ -118,7 +118,7 @@ class MemoryBudget:
         if plan is not None and peak is None:
             raise TypeError("ac2_dist.MemoryBudget: plan applies to a peak target (MemoryBudget(peak=..., plan=path))")
         self._plan_path = plan
-        self._loaded = _sim_plan.load(plan) if plan is not None else None  # read now: errors before any step
+        self._loaded = _plan_file.load(plan) if plan is not None else None  # read now: errors before any step
         self._planner: PeakPlanner | None = None
         self._lock = threading.Lock()
         self._plans: dict[tuple, Plan] = {}  # structure signature -> plan (shared by equal blocks)
@@ -202,7 +202,7 @@ class MemoryBudget:
                 if created:
                     self._planner = PeakPlanner(self, target)
             if created and self._loaded is not None:  # outside the lock: installing takes it
-                _sim_plan.install(self._planner, self._loaded)
+                _plan_file.install(self._planner, self._loaded)
         return self._planner
 
     def close(self) -> None:
@@ -233,15 +233,15 @@ class MemoryBudget:
             module_fqn = planner.before_region(module_fqn)
             if self._loaded is not None and torch.is_grad_enabled() and module_fqn not in self._loaded.fqns:
                 planner.close()  # the step it began measuring stops here
-                raise ValueError(_sim_plan.mismatch(self._loaded, module_fqn, None, None))
+                raise ValueError(_plan_file.mismatch(self._loaded, module_fqn, None, None))
         return _BudgetRegion(self, module_fqn)
 
     def _mismatch(self, fqn: str, k: int, key: tuple | None) -> None:
         """A block diverged from its plan at op ``k``: refused if the plan came from a file."""
-        # Note [A plan file is the planner's state] in _sim_plan.py
+        # Note [A plan file is the planner's state] in _plan/_plan_file.py
         if self._loaded is not None and fqn in self._loaded.fqns:
             self.close()  # the step it began measuring stops here
-            raise ValueError(_sim_plan.mismatch(self._loaded, fqn, k, key))
+            raise ValueError(_plan_file.mismatch(self._loaded, fqn, k, key))
 
     def _plan_for(self, fqn: str) -> tuple[Plan | None, bool]:
         """(the plan ``fqn``'s call follows, whether a call without one may follow a

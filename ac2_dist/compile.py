@@ -29,7 +29,7 @@ backward.
 #
 # Note [One policy, two executors]
 #     ``p`` is :class:`CompiledPolicy`: the same region frames the eager tracer
-#     resolves (``_policy.resolve``), plus the eager side-effect rules of CONTRACT §3:
+#     resolves (``_policy.resolve``), plus the eager side-effect rules (side_effects.py):
 #     collectives, FSDP and registered side-effect ops are MUST_SAVE (never recomputed
 #     in the compiled backward), and so are random ops (the compiled backward reuses
 #     the forward's bits). What only the eager executor can do (``SAVE_WITH_HOOKS``,

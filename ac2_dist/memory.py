@@ -32,16 +32,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._alloc import AllocationTrace, active_trace
 from ._device import module_cuda_device
-from ._graph import Graph
-from ._graph_stats import GraphStats
-from ._held import _held_bytes, _storage_key
+from ._measure._alloc import AllocationTrace, active_trace
+from ._measure._rank_report import _FIELD_CHECKS, SCHEMA_VERSION, RankReport  # noqa: F401  (re-exported: memory.RankReport, memory.SCHEMA_VERSION)
+from ._measure._report_table import format_table, plot
+from ._measure._run_file import _gather_json, gather, load_run, run_warnings, save_run  # noqa: F401  (_gather_json: launch/bench.py)
 from ._pipelining import pipeline_microbatch as _pipeline_microbatch
-from ._rank_report import _FIELD_CHECKS, SCHEMA_VERSION, RankReport  # noqa: F401  (re-exported: memory.RankReport, memory.SCHEMA_VERSION)
 from ._region import _thread_state
-from ._report_table import format_table, plot
-from ._run_file import _gather_json, gather, load_run, run_warnings, save_run  # noqa: F401  (_gather_json: launch/bench.py)
+from ._trace._graph import Graph
+from ._trace._graph_stats import GraphStats
+from ._trace._held import _held_bytes, _storage_key
 
 __all__ = ["RankReport", "Tracker", "track", "gather", "format_table", "plot", "save_run", "load_run", "run_warnings"]
 

@@ -89,8 +89,8 @@ from typing import Any
 
 import torch
 
-from ._nodes import modified_error
 from ._streams import StreamBackend
+from ._trace._nodes import modified_error
 
 __all__ = ["Offload", "OffloadStats", "OffloadedTensor", "InlineCopies", "CudaCopies"]
 

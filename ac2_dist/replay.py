@@ -90,8 +90,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.profiler import record_function
 
-from ._graph import Graph
 from ._streams import StreamBackend
+from ._trace._graph import Graph
 from .offload import Offload
 
 _NULL = contextlib.nullcontext()
@@ -102,17 +102,9 @@ def trace_range(name: str) -> Any:
     per replay: ``record_function`` costs that even with no profiler attached)."""
     return record_function(name) if torch._C._autograd._profiler_enabled() else _NULL
 
+
 if TYPE_CHECKING:
-    from ._nodes import Node, RngChain
-
-
-def default_generator(device: torch.device) -> torch.Generator:
-    """The default generator an op without ``generator=`` draws from on ``device``."""
-    if device.type == "cpu":
-        return torch.default_generator
-    mod = getattr(torch, device.type)
-    index = device.index if device.index is not None else mod.current_device()
-    return mod.default_generators[index]
+    from ._trace._nodes import Node, RngChain
 
 
 class _OwnHooksLifted:

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _sim_plan
-from ._peak_model import _solve
-from ._sim_report import DEVICES, NOT_COUNTED, ModeReport, format_table
-from ._sim_run import _Recorder, _Run, _Spec, run_mode
-from ._sim_world import ddp_refused, fake_world, per_block_shard
+from ._plan import _plan_file
+from ._plan._peak_model import _solve
+from ._sim._report import DEVICES, NOT_COUNTED, ModeReport, format_table
+from ._sim._run import _Recorder, _Run, _Spec, run_mode
+from ._sim._world import ddp_refused, fake_world, per_block_shard
 from ._sizes import human_bytes, parse_size
 
 __all__ = ["DEVICES", "NOT_COUNTED", "ModeReport", "SimulationReport", "simulate"]
@@ -109,7 +109,7 @@ class SimulationReport:
         meta = {"target": nbytes, "predicted_peak": predicted, "step_start": origin,
                 "world_size": self.world_size, "rank": self.rank,
                 "device": self.device, "torch": torch.__version__}
-        self._plan = _sim_plan.dump(fqns, floor.structure, floor.problems, tuple(choice), bases, meta)
+        self._plan = _plan_file.dump(fqns, floor.structure, floor.problems, tuple(choice), bases, meta)
         self.modes = [m for m in self.modes if m.name != name] + [report]
         return report
 
@@ -293,7 +293,7 @@ def simulate(
 
 def _main(argv: list[str] | None = None) -> int:
     """``python -m ac2_dist.simulate``: the command line (``--help`` lists it)."""
-    from ._sim_cli import main
+    from ._sim._cli import main
 
     return main(simulate, argv)
 

@@ -20,8 +20,8 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from torch.utils.flop_counter import FlopCounterMode
 
 import ac2_dist as ac
-from ac2_dist._alloc import AllocationTrace
-from ac2_dist._flops import op_flops  # torch's formulas, with what its registry does not give
+from ac2_dist._measure._alloc import AllocationTrace
+from ac2_dist._plan._flops import op_flops  # torch's formulas, with what its registry does not give
 
 aten = torch.ops.aten
 SAVE_OPS = [aten.mm.default, aten.addmm.default]
@@ -130,7 +130,7 @@ class PlainFlops(torch.utils._python_dispatch.TorchDispatchMode):
     decomposes ops it has no formula for -- CPU flash attention -- and a checkpointed
     block then shows ac2 another structure). CPU flash attention is counted with the
     CUDA flash kernel's formula (the same q/k/v arithmetic), grouped-query attention on
-    torch 2.10-2.11 as 2.13 counts it (ac2_dist/_flops.py); a formula that fails raises."""
+    torch 2.10-2.11 as 2.13 counts it (ac2_dist/_plan/_flops.py); a formula that fails raises."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import GPTBlock, GPTStack, Llama, LlamaBlock  # noqa: E402
 
 import ac2_dist as ac  # noqa: E402
-from ac2_dist._alloc import AllocationTrace  # noqa: E402
+from ac2_dist._measure._alloc import AllocationTrace  # noqa: E402
 
 MODES = ["no-ac", "torch-full", "ac2-inline", "ac2-side-stream-prefetch"]
 SIDE = "ac2-side-prefetch"  # + depth

@@ -19,7 +19,7 @@ drift hits all alike, the growth with size included; medians over the rounds):
   records with a dispatch mode and hands autograd its own saved objects, as ac2 does
   (torch's checkpoint installs such hooks too; the no-op mode alone has none).
 - ``ac2-full-py``: ``ac2-full`` recorded by the Python recorder (what an install without a
-  C compiler records with; Note [The plain-op path in C] in ``ac2_dist/_crecord.c``);
+  C compiler records with; Note [The plain-op path in C] in ``ac2_dist/_trace/_crecord.c``);
 - ``record-floor``: the least any tracer that records ops for a later replay does per op,
   in Python, on top of the no-op mode (no shim): one tuple per op holding the op and its
   tensor arguments' producers (found in an ``id``-keyed map of weak references), one map
@@ -97,7 +97,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import ac2_dist as ac
-from ac2_dist._tracer import recording_in_python
+from ac2_dist._trace._tracer import recording_in_python
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_tracer_report import _ratio, _size, paired, report_instructions, report_loop  # noqa: E402

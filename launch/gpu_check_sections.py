@@ -116,7 +116,7 @@ class Context:
             fn()
             self.sync()
             return torch.cuda.max_memory_allocated() - base
-        from ac2_dist._alloc import AllocationTrace
+        from ac2_dist._measure._alloc import AllocationTrace
 
         with AllocationTrace() as trace:
             fn()

@@ -74,7 +74,7 @@ def step_memory(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], 
     """One forward+backward: bytes kept after forward and the peak of the step (both
     above what was allocated when it began, allocator events) and the gradients of
     ``extra`` tensors and the parameters. ``seed`` is set first (equal dropout masks)."""
-    from ac2_dist._alloc import AllocationTrace
+    from ac2_dist._measure._alloc import AllocationTrace
 
     model.zero_grad(set_to_none=True)
     for t in extra:
@@ -127,7 +127,7 @@ def peak_from(model: nn.Module, first: nn.Module, loss_fn: Callable[[nn.Module],
     began its forward (before its other pre-hooks) -- the scale of
     ``MemoryBudget(peak=...)`` on CPU: ``first`` is the model ``apply_ac`` was given, or
     without one the first checkpointed module -- from the allocator's events, and the grads."""
-    from ac2_dist._alloc import AllocationTrace
+    from ac2_dist._measure._alloc import AllocationTrace
 
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
@@ -153,7 +153,7 @@ def peak_from(model: nn.Module, first: nn.Module, loss_fn: Callable[[nn.Module],
 def live_instances(cls: type) -> int:
     """Instances of ``cls`` alive now, counted whether or not the cyclic collector tracks
     them: the C recorder's nodes are not on its lists (Note [Plain records are not tracked
-    by the collector] in ac2_dist/_crecord.c), so ``gc.get_objects()`` alone misses them.
+    by the collector] in ac2_dist/_trace/_crecord.c), so ``gc.get_objects()`` alone misses them.
     An untracked object is found through the references of the objects that hold it
     (tracked ones, or untracked nodes and tuples reached from those)."""
     found: dict[int, object] = {}

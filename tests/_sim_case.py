@@ -46,7 +46,7 @@ def _measure_mode(mode: str, plan: str | None, target: int | None) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     import ac2_dist as ac
-    from ac2_dist._alloc import AllocationTrace
+    from ac2_dist._measure._alloc import AllocationTrace
 
     torch.manual_seed(0)
     model = build()

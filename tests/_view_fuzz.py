@@ -45,7 +45,7 @@ Note [Kept bytes from the allocator, not from ac2]
     the trace saw the block's allocation (pairing by address), and reads the live bytes at
     named instants (``record_function`` ranges with no duration). It uses only torch: no
     figure ac2 reports (``region.stats``, ``memory.track``) and none of ac2's own
-    accounting code (``ac2_dist._alloc``) enters it, so a saved value, a snapshot, a
+    accounting code (``ac2_dist._measure._alloc``) enters it, so a saved value, a snapshot, a
     generator state or a literal that ac2 keeps counts whoever holds it. The same trace
     measures torch's checkpoint. Kept = live bytes when backward starts minus live bytes
     when forward starts (outputs and the loss count in both: the code around the region
@@ -88,7 +88,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import ac2_dist as ac
-from ac2_dist._tracer import C_DISPATCH, recording_in_python
+from ac2_dist._trace._tracer import C_DISPATCH, recording_in_python
 
 aten = torch.ops.aten
 R, C = 4, 6  # x, y, h, b are R x C; w is C x C

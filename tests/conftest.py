@@ -45,7 +45,7 @@ def _no_profiler_session_left_running():
     measurement) breaks the memory figures of every later test in its worker: fail it."""
     yield
     if torch._C._autograd._profiler_enabled():
-        from ac2_dist._alloc import active_trace
+        from ac2_dist._measure._alloc import active_trace
 
         trace = active_trace()
         while trace is not None:  # stop it, so that the next test starts clean

@@ -1,4 +1,4 @@
-"""torch.compile (CONTRACT §10): checkpointed blocks compile with no ac2 graph break, in
+"""torch.compile: checkpointed blocks compile with no ac2 graph break, in
 either order and with ``fullgraph=True``; a policy means the same in the compiled graph as
 in eager (checked on the partitioned forward/backward graphs against torch's own
 selective checkpoint with the same policy); random and collective ops are never
@@ -390,7 +390,7 @@ def _fsdp_both(rank, world):
 
 @pytest.mark.slow
 def test_fsdp2_per_block_compile_with_ac2_matches_no_ac():
-    for rank, r in enumerate(run_ranks(_fsdp_both, timeout=600)):
+    for rank, r in enumerate(run_ranks(_fsdp_both)):
         ours, plain = r["ac2"], r["none"]
         print(f"\n  rank {rank}: losses ac2 {ours['losses']} no AC {plain['losses']}")
         assert ours["breaks"] == 0
@@ -433,7 +433,7 @@ def _funcol_compiled(rank, world):
 
 
 def test_collectives_in_a_compiled_block_are_not_reissued_in_backward():
-    for r in run_ranks(_funcol_compiled, timeout=300):
+    for r in run_ranks(_funcol_compiled):
         assert r["ac2"]["breaks"] == 0
         assert r["ac2"]["collectives"] == r["none"]["collectives"]
         assert r["ac2"]["grad"] == r["none"]["grad"]

@@ -1,4 +1,4 @@
-"""The C recorder (Note [The plain-op path in C] in ac2_dist/_crecord.c): built and in use
+"""The C recorder (Note [The plain-op path in C] in ac2_dist/_trace/_crecord.c): built and in use
 where a compiler was there at install time, switchable off, the same graphs as the Python
 recorder, no reference leaked, errors propagated."""
 
@@ -7,18 +7,18 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import subprocess
 import sys
 import sysconfig
 import weakref
 
+import _hang
 import pytest
 import torch
 from _models import GPT, ConvBN, DropoutMLP, live_instances
 from test_recording_cost import _graph_facts
 
 import ac2_dist as ac
-from ac2_dist import _graph, _nodes, _tracer
+from ac2_dist._trace import _graph, _nodes, _tracer
 
 aten = torch.ops.aten
 _PURE = os.environ.get("AC2_DIST_PURE_PYTHON", "0") != "0"
@@ -33,7 +33,7 @@ def test_the_recorder_in_use_is_the_one_the_switch_and_the_build_say():
         pytest.skip("this Python has no C compiler configured: the extension is optional")
     # A compiler was there at install time (CI installs with one): the extension must
     # have been built, and the tracer must use it.
-    from ac2_dist import _crecord
+    from ac2_dist._trace import _crecord
 
     assert isinstance(_tracer.C_DISPATCH, _crecord.Dispatch)
     assert _tracer.Tracer.__torch_dispatch__ is _tracer.C_DISPATCH
@@ -49,7 +49,7 @@ def test_the_recorder_in_use_is_the_one_the_switch_and_the_build_say():
 
 def test_the_switch_turns_the_c_recorder_off_in_a_fresh_process():
     code = (
-        "from ac2_dist import _tracer as t; import torch, ac2_dist as ac\n"
+        "from ac2_dist._trace import _tracer as t; import torch, ac2_dist as ac\n"
         "assert t.C_DISPATCH is None and t.Tracer.__torch_dispatch__ is t.PY_DISPATCH\n"
         "x = torch.randn(4, requires_grad=True)\n"
         "with ac.apply_ac_policy('recompute_all'):\n"
@@ -59,7 +59,7 @@ def test_the_switch_turns_the_c_recorder_off_in_a_fresh_process():
         "print('ok')\n"
     )
     env = dict(os.environ, AC2_DIST_PURE_PYTHON="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = _hang.run([sys.executable, "-c", code], env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 

@@ -4,7 +4,7 @@
   ``max_memory_allocated()`` around a tracked step reads the step's true peak;
 * ``MemoryBudget(peak=...)`` on CUDA measures with no profiler session, from the
   allocator's memory history and counters (Note [Measuring a CUDA step without a
-  profiler] in ac2_dist/_alloc_history.py), exactly when blocks are what the history
+  profiler] in ac2_dist/_measure/_alloc_history.py), exactly when blocks are what the history
   says, and leaves the statistics and a user's own recording as it found them."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from models import GPTBlock, GPTStack
 
 import ac2_dist as ac
 import ac2_dist._modules as modules_mod
-import ac2_dist._peak as peak_mod
+import ac2_dist._plan._peak as peak_mod
 import ac2_dist.memory as memory_mod
-from ac2_dist._alloc_history import AllocatorHistory
+from ac2_dist._measure._alloc_history import AllocatorHistory
 
 CUDA0 = torch.device("cuda", 0)
 

@@ -68,7 +68,7 @@ def test_the_decision_reads_tensors():
     m.register_buffer("on_gpu", gpu)
     assert module_cuda_device(m) == torch.device("cuda") and device_of(module=m).type == "cuda"
     # a `with` block: its most recent live recorded tensors
-    from ac2_dist._nodes import TensorMap
+    from ac2_dist._trace._nodes import TensorMap
 
     class _Graph:
         map = TensorMap()

@@ -1,4 +1,4 @@
-"""Collectives are never replayed (CONTRACT §3), on 2 gloo ranks.
+"""Collectives are never replayed, on 2 gloo ranks.
 
 For each kind of collective a training job issues, the number of collectives that run
 during backward under ac2 equals eager's, and gradients are bitwise equal to eager's,
@@ -313,7 +313,7 @@ def _dtensor_implicit_redistribute(rank, world):
         out[name] = count
     out["torch.utils.checkpoint"] = run(lambda fn: functools.partial(checkpoint, fn, use_reentrant=False))[0]
     # Without the probe the tanh replay would all-reduce in backward: prove it matters.
-    from ac2_dist import _tracer
+    from ac2_dist._trace import _tracer
 
     with _probe_disabled(_tracer):
         out["ac2 without probe"] = run(region("recompute_all"))[0]

@@ -1,5 +1,5 @@
 """Docstrings are user documentation (issue 41): what ``help()`` / pydoc shows for the public
-API, and the built documentation, cite no design contract ("CONTRACT §n") and no Note of the
+API, and the built documentation, cite no section of a design document ("§n") and no Note of the
 code ("Note [...] in _peak.py"): a fact the user needs is stated in words where they read it.
 Notes are for contributors: they live in comments and in private modules' own docstrings, and
 the design page (docs/dev/, whose subject they are) indexes them.
@@ -26,7 +26,7 @@ import ac2_dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_CITATION = re.compile(r"CONTRACT|Note\s+\[")
+_CITATION = re.compile(r"§\s*\d|CONTRAC[T]|Note\s+\[")  # [T]: this line does not match itself
 
 
 def _public_modules() -> list[str]:
@@ -125,10 +125,10 @@ def built_docs(tmp_path_factory):
 
 
 def test_the_check_finds_citations():
-    """The check itself: a wrapped citation is found, and so is a contract section."""
+    """The check itself: a wrapped citation is found, and so is a design document's section."""
     # (the samples are split so that the design page's index of Notes does not read them)
     assert _citations("a (Note\n   [X] in y.py) b\nc") == ["a (No" "te [X] in y.py) b"]
-    assert _citations("(CONTRACT §2).") == ["(CONTRACT §2)."]
+    assert _citations("(the design, §" "2).") == ["(the design, §" "2)."]
     assert _citations("nothing to see") == []
 
 

@@ -1,5 +1,5 @@
 """ac2_dist.checkpoint / checkpoint_sequential as drop-ins for torch's, policy_factory,
-is_checkpointed (CONTRACT §9)."""
+is_checkpointed."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """FLOPs of attention calls torch's formula registry does not count by itself (Note [FLOPs
-torch's registry does not give] in ac2_dist/_flops.py): CPU flash attention, and
+torch's registry does not give] in ac2_dist/_plan/_flops.py): CPU flash attention, and
 grouped-query attention on torch 2.10-2.11 (whose formulas assert equal head counts)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ac2_dist._block_problem import _CostModel
-from ac2_dist._flops import _grouped_query, op_flops
+from ac2_dist._plan._block_problem import _CostModel
+from ac2_dist._plan._flops import _grouped_query, op_flops
 
 
 class _Calls(TorchDispatchMode):

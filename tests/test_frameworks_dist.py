@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from _dist import run_ranks
 
-from ac2_dist._alloc import AllocationTrace
+from ac2_dist._measure._alloc import AllocationTrace
 from ac2_dist.integrations import torch_checkpoint as switch
 
 _FRAMEWORKS = "needs the 'frameworks' extra: pip install -e '.[test,hf,frameworks]'"
@@ -246,7 +246,7 @@ def test_lightning_fabric_fsdp_activation_checkpointing_runs_ac2_under_the_switc
     FSDP1 (one root unit, or with ``auto_wrap_policy={Block}`` a unit per block), then
     ``apply_activation_checkpointing`` puts torch's ``checkpoint_wrapper`` on every block."""
     pytest.importorskip("lightning", reason=_FRAMEWORKS)
-    results = run_ranks(_lightning_ranks, units, timeout=120)
+    results = run_ranks(_lightning_ranks, units)
     for rank, r in enumerate(results):
         _report(f"lightning fsdp {units}", rank, r["calls"], r["memory"])
     for r in results:
@@ -331,7 +331,7 @@ def test_accelerate_fsdp2_activation_checkpointing_runs_ac2_under_the_switch():
     ``Accelerator.prepare`` wraps every block in ``checkpoint_wrapper(preserve_rng_state=False)``
     and ``fully_shard``s the blocks and the root (FSDP2)."""
     pytest.importorskip("accelerate")
-    results = run_ranks(_accelerate_ranks, timeout=120)
+    results = run_ranks(_accelerate_ranks)
     for rank, r in enumerate(results):
         for p in (0.1, 0.0):
             _report(f"accelerate fsdp2 dropout {p}", rank, r[p]["calls"], r[p]["memory"])

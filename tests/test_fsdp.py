@@ -1,4 +1,4 @@
-"""FSDP2 integration on 2 gloo ranks (CONTRACT §6).
+"""FSDP2 integration on 2 gloo ranks.
 
 A 4-block Llama-style model (RMSNorm, rotary SDPA attention, SwiGLU) trained for two
 SGD steps under every way of combining ac2 with ``fully_shard``: gradients and
@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ac2_dist as ac
 import ac2_dist.fsdp
-from ac2_dist._alloc import AllocationTrace
+from ac2_dist._measure._alloc import AllocationTrace
 
 aten = torch.ops.aten
 SAVE_MM = [aten.mm.default]
@@ -154,7 +154,7 @@ def test_fsdp_grads_and_allgathers(config):
         keys.append(("nested units, torch checkpoint_wrapper", True, "recompute_all"))
     if config == "apply_ac before fully_shard":
         keys.append(("torch checkpoint_wrapper", True, "recompute_all"))
-    results = run_ranks(_train_all, keys, timeout=300)
+    results = run_ranks(_train_all, keys)
     print()
     for key in keys:
         for rank, res in enumerate(results):
@@ -194,7 +194,7 @@ def _forward_memory(rank, world):
 
 
 def test_whole_model_region_keeps_no_gathered_parameters():
-    results = run_ranks(_forward_memory, timeout=300)
+    results = run_ranks(_forward_memory)
     for r in results:
         per_block, whole = r["apply_ac before fully_shard"], r["one region around the model"]
         print(f"\n  bytes alive after forward: per-block {per_block}, whole-model region {whole}")
@@ -235,7 +235,7 @@ def _mixed_precision_and_int_reshard(rank, world, reshard):
 
 @pytest.mark.parametrize(("world", "reshard"), [(2, True), (4, 2)])
 def test_fsdp_mixed_precision_and_int_reshard(world, reshard):
-    for r in run_ranks(_mixed_precision_and_int_reshard, reshard, world=world, timeout=300):
+    for r in run_ranks(_mixed_precision_and_int_reshard, reshard, world=world):
         for name, (bitwise, count, eager_count) in r.items():
             assert bitwise, name
             assert count <= 4 and count == eager_count, (name, count, eager_count)
@@ -265,7 +265,7 @@ def _must_recompute_across_units(rank, world):
 
 
 def test_replay_across_unit_boundary_unshards_first():
-    for r in run_ranks(_must_recompute_across_units, timeout=240):
+    for r in run_ranks(_must_recompute_across_units):
         assert r["err"] < 1e-5, r
         assert 0 < r["gathers"] <= r["units"], r  # each unit still gathered at most once
 
@@ -284,5 +284,5 @@ def _tracked_steps(rank, world):
 
 
 def test_report_counts_backward_allgathers_over_several_steps():
-    for reported, counted in run_ranks(_tracked_steps, timeout=240):
+    for reported, counted in run_ranks(_tracked_steps):
         assert reported == counted == 12, (reported, counted)

@@ -1,13 +1,13 @@
-"""ac2_dist.integrations.hf: ac2 through Hugging Face's own checkpointing switch
-(CONTRACT §9). Models from small configs, random weights, nothing downloaded."""
+"""ac2_dist.integrations.hf: ac2 through Hugging Face's own checkpointing switch.
+Models from small configs, random weights, nothing downloaded."""
 
 from __future__ import annotations
 
 import copy
-import subprocess
 import sys
 import warnings
 
+import _hang
 import pytest
 import torch
 from _dist import run_ranks
@@ -152,6 +152,61 @@ def test_policy_and_policy_factory_reach_the_layers():
     _assert_same(_grads(eager, ids), _grads(saved, ids))
 
 
+def _tracked(model, ids):
+    from ac2_dist import memory
+
+    model.zero_grad(set_to_none=True)
+    with memory.track(model) as tracker:
+        model(input_ids=ids, labels=ids).loss.backward()
+    return tracker.report()
+
+
+def test_regions_carry_the_layers_names_as_after_apply_ac():
+    """Under hf.enable a layer's region is named by its path in the model the user holds,
+    as apply_ac names it: policies see it as ctx.module_fqn, the report's per-module rows
+    and a budget's plans are keyed by it (before, every layer was one unnamed region)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    names = [f"model.layers.{i}" for i in range(3)]
+    seen = set()
+
+    def policy(ctx, op, *args, **kwargs):
+        seen.add(ctx.module_fqn)
+        return ac.CheckpointPolicy.PREFER_RECOMPUTE
+
+    eager = _llama(3).train()
+    ids = _ids()
+    model = hf.enable(copy.deepcopy(eager), policy)
+    report = _tracked(model, ids)
+    assert sorted(report.per_module) == names and seen == set(names)
+    assert all(report.per_module[n]["recomputed_bytes"] > 0 for n in names)
+    applied = copy.deepcopy(eager)
+    ac.apply_ac(applied, "recompute_all", modules=[LlamaDecoderLayer])
+    reference = _tracked(applied, ids)
+    assert sorted(reference.per_module) == names
+    for n in names:  # the same layers keep the same bytes (what they replay differs: HF's switch
+        # turns the KV cache off in training, so under apply_ac each layer also records its cache's cats)
+        kept = {k: v for k, v in report.per_module[n].items() if k != "recomputed_bytes"}
+        assert kept == {k: v for k, v in reference.per_module[n].items() if k != "recomputed_bytes"}, n
+    # A second switch (a Trainer's gradient_checkpointing=True) keeps the names.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        model.gradient_checkpointing_enable()
+    assert sorted(_tracked(model, ids).per_module) == names
+    budget = ac.MemoryBudget(0.5)
+    planned = hf.enable(copy.deepcopy(eager), budget)
+    _tracked(planned, ids)
+    assert all(budget.plan(n) is not None for n in names)
+
+
+def test_regions_under_a_peft_model_are_named_from_the_peft_model():
+    import peft  # the test extra has it
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = hf.enable(peft.get_peft_model(_llama(2), config).train())
+    assert sorted(_tracked(model, _ids()).per_module) == [f"base_model.model.model.layers.{i}" for i in range(2)]
+
+
 def test_training_disables_the_cache_and_generation_is_unchanged():
     eager = _llama(2)
     model = hf.enable(copy.deepcopy(eager))
@@ -270,7 +325,7 @@ def test_enable_from_an_instance_override_of_hfs_switch(name):
 
 def test_importing_ac2_dist_never_imports_transformers():
     code = "import sys, ac2_dist, ac2_dist.integrations; print('transformers' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = _hang.run([sys.executable, "-c", code])
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
 
@@ -307,7 +362,7 @@ def _both(rank, world):
 
 
 def test_fsdp2_with_hf_enable_matches_no_ac_losses():
-    results = run_ranks(_both, timeout=300)
+    results = run_ranks(_both)
     for rank, r in enumerate(results):
         print(f"\n  rank {rank}: losses ac2 {r['ac2']} no AC {r['none']}")
         assert r["ac2"] == r["none"]

@@ -7,9 +7,9 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 
+import _hang
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,7 +26,7 @@ def test_train_py_under_torchrun_writes_report(tmp_path, ac_mode):
            os.path.join(ROOT, "launch", "train.py"), "--steps", "3", "--layers", "2", "--dim", "64",
            "--seq", "64", "--batch", "4", "--ac", ac_mode, "--report-json", out,
            "--baseline-steps", "4", "--baseline-measured", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    proc = _hang.run(cmd, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step   3/3" in proc.stdout and "per-rank memory report" in proc.stdout
     # The job ends with its own baseline: no AC, torch's checkpoint (and its SAC for ac2-sac), ac2.
@@ -54,8 +54,7 @@ def test_train_py_under_torchrun_writes_report(tmp_path, ac_mode):
         assert r["recomputed_ops"] > 0 and r["saved_bytes"] > 0
         assert r["allgathers_backward"] == 2  # one per resharded block
         assert set(r["per_module"]) == {"layers.0", "layers.1"}
-    report = subprocess.run([sys.executable, "-m", "ac2_dist.report", out], capture_output=True, text=True,
-                            timeout=60, cwd=ROOT)
+    report = _hang.run([sys.executable, "-m", "ac2_dist.report", out], cwd=ROOT)
     assert report.returncode == 0 and "all-gathers in backward" in report.stdout
 
 
@@ -101,7 +100,7 @@ def test_train_py_compiled_blocks(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "launch", "train.py"), "--steps", "2", "--layers", "2", "--dim", "32",
            "--heads", "2", "--seq", "32", "--batch", "2", "--ac", "ac2-sac", "--compile"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    proc = _hang.run(cmd, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "(compiled blocks)" in proc.stdout and "step   2/2" in proc.stdout
     assert "per-rank memory report" in proc.stdout
@@ -112,7 +111,7 @@ def test_bench_py_runs_all_modes(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "launch", "bench.py"), "--layers", "1", "--dim", "32", "--seq", "32",
            "--batch", "2", "--iters", "1", "--warmup", "0", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    proc = _hang.run(cmd, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.load(open(os.path.join(tmp_path, "bench.json")))
     assert len(data["ranks"]) == 2
@@ -152,7 +151,7 @@ def test_bench_gpu_cpu_smoke_run(tmp_path):
     out = os.path.join(tmp_path, "gpu.json")
     cmd = [sys.executable, os.path.join(ROOT, "launch", "bench_gpu.py"), "--device", "cpu", "--layers", "2",
            "--dim", "64", "--heads", "4", "--seq", "32", "--iters", "1", "--warmup", "1", "--json", out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    proc = _hang.run(cmd, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.load(open(out))["results"]
     assert set(results) == {"no-ac", "torch-full", "ac2-inline", "ac2-side-stream-prefetch"}
@@ -165,7 +164,7 @@ def test_bench_tracer_runs(tmp_path):
     out = os.path.join(tmp_path, "tracer.json")
     cmd = [sys.executable, os.path.join(ROOT, "launch", "bench_tracer.py"), "--sizes", "200", "400", "--rounds", "2",
            "--warmup", "0", "--heap-ops", "200", "--loop-ops", "800", "--baseline", ROOT, "--json", out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = _hang.run(cmd, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| record floor |" in proc.stdout and "ac2 full fwd / record floor" in proc.stdout
     assert "record-floor: forward per op at 400 ops / at 200: " in proc.stdout
@@ -190,7 +189,7 @@ def test_bench_tracer_counts_instructions(tmp_path):
     out = os.path.join(tmp_path, "ir.json")
     cmd = [sys.executable, os.path.join(ROOT, "launch", "bench_tracer.py"), "--instructions", "--sizes", "200",
            "--modes", "ac2-full", "--phases", "fwd", "--jobs", "2", "--json", out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = _hang.run(cmd, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     counts = json.load(open(out))["instructions_per_op"]["200"]
     assert set(counts) == {"eager", "ac2-full"} and all(set(c) == {"fwd"} for c in counts.values())
@@ -277,7 +276,7 @@ def test_bench_py_peak_targets(tmp_path):
            os.path.join(ROOT, "launch", "bench.py"), "--layers", "2", "--dim", "32", "--seq", "64",
            "--batch", "4", "--iters", "1", "--warmup", "0", "--modes", "none,ac2-full", "--peaks", "2",
            "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = _hang.run(cmd, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.load(open(os.path.join(tmp_path, "bench.json")))
     for rank in data["ranks"]:

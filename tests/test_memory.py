@@ -9,8 +9,8 @@ import torch
 from _models import GPT, OpCounter, live_instances
 
 import ac2_dist as ac
-from ac2_dist._alloc import AllocationTrace
-from ac2_dist._nodes import Node
+from ac2_dist._measure._alloc import AllocationTrace
+from ac2_dist._trace._nodes import Node
 
 N = 256
 

@@ -1,12 +1,12 @@
-"""Per-rank memory reports (CONTRACT §8): the numbers, not just the fields."""
+"""Per-rank memory reports: the numbers, not just the fields."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
+import _hang
 import pytest
 import torch
 import torch.nn as nn
@@ -229,7 +229,7 @@ _CHILD = """
 import json, sys
 from _dist import run_ranks
 import test_memory_report as t
-results = run_ranks(t._gather_without_numpy, timeout=240)
+results = run_ranks(t._gather_without_numpy)
 assert results[1] is None
 print(json.dumps(results[0][1]))
 """
@@ -242,8 +242,7 @@ def test_gather_without_numpy(tmp_path):
     (site / "sitecustomize.py").write_text("import sys\nsys.modules['numpy'] = None  # as if not installed\n")
     path = [str(site), TESTS, ROOT, os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
-    proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+    proc = _hang.run([sys.executable, "-c", _CHILD], env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     reports = [memory.RankReport.from_dict(d) for d in json.loads(proc.stdout.splitlines()[-1])]
     assert [r.rank for r in reports] == [0, 1]
@@ -387,3 +386,25 @@ def test_a_single_rank_table_has_one_value_column():
     two = memory.format_table([memory.RankReport.from_dict({**report.to_dict(), "world_size": 2}), other])
     assert two.splitlines()[0].split()[-3:] == ["min", "max", "imbalance"]
     assert "per module (saved / recomputed), by rank:" in two
+
+
+def test_what_is_not_a_report_is_refused_at_the_door(tmp_path):
+    """Issue 47: gather(tracker) without .report() was accepted and failed only at the next
+    call; format_table took anything. Each now raises TypeError at once, naming the call,
+    what it got and (for a tracker) the fix; one RankReport is a one-rank table."""
+    tracker = _tracked_step("recompute_all")
+    report = tracker.report()
+    for call in (lambda: memory.gather(tracker), lambda: memory.format_table(tracker),
+                 lambda: memory.save_run(tracker, str(tmp_path / "run.json")), lambda: memory.plot(tracker, "x.png")):
+        with pytest.raises(TypeError, match=r"got a Tracker \(call its \.report\(\) for this rank's RankReport\)"):
+            call()
+    assert not (tmp_path / "run.json").exists()
+    with pytest.raises(TypeError, match=r"memory\.format_table takes a list of RankReport .* got a dict"):
+        memory.format_table(report.to_dict())
+    with pytest.raises(TypeError, match=r"memory\.format_table: item 1 of the list is a str, not a RankReport"):
+        memory.format_table([report, "rank 1"])
+    with pytest.raises(TypeError, match=r"memory\.gather takes this rank's RankReport .* got a list"):
+        memory.gather([report])
+    assert memory.format_table(report) == memory.format_table([report])
+    assert memory.format_table(None) == memory.format_table([]) == "(no reports)"
+    assert memory.gather(report) == [report]

@@ -19,8 +19,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 import ac2_dist as ac
 from ac2_dist import memory
-from ac2_dist._alloc import AllocationTrace
-from ac2_dist._graph import Graph
+from ac2_dist._measure._alloc import AllocationTrace
+from ac2_dist._trace._graph import Graph
 
 D, B = 64, 32
 
@@ -280,7 +280,7 @@ def _pipeline_rank(rank: int, world: int, schedule: str, variants: tuple[str, ..
 def test_pipeline_schedule_step_is_one_step(schedule):
     """torch.distributed.pipelining on 2 gloo ranks, 4 microbatches, each stage's blocks
     checkpointed: one step per schedule step, with a model and without."""
-    for rank, result in enumerate(run_ranks(_pipeline_rank, schedule, ("model", "no_model"), timeout=240)):
+    for rank, result in enumerate(run_ranks(_pipeline_rank, schedule, ("model", "no_model"))):
         ref = result["ref"]
         if schedule == "gpipe":  # all 4 microbatches are in flight after the last forward
             assert ref["after_forward"][3] > 3 * ref["after_forward"][0] > 0, (rank, ref)
@@ -291,7 +291,7 @@ def test_pipeline_schedule_step_is_one_step(schedule):
 def test_pipeline_steps_by_hand():
     """``tracker.step()`` before each schedule step: the same steps and figures (1F1B,
     whose last stage finishes each microbatch before the next one starts)."""
-    for result in run_ranks(_pipeline_rank, "1f1b", ("explicit",), timeout=240):
+    for result in run_ranks(_pipeline_rank, "1f1b", ("explicit",)):
         _check(result["explicit"], result["ref"], steps=2, exact_phases=True)
 
 

@@ -1,4 +1,4 @@
-"""apply_ac / wrap / unwrap on a single process (CONTRACT §6, module selection)."""
+"""apply_ac / wrap / unwrap on a single process (module selection)."""
 
 from __future__ import annotations
 

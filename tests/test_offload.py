@@ -1,4 +1,4 @@
-"""Asynchronous CPU offload (CONTRACT §14, ac2_dist/offload.py): the schedule's order of
+"""Asynchronous CPU offload (ac2_dist/offload.py): the schedule's order of
 copies and waits, the lifetimes of device tensors and host copies, and values.
 
 On CPU the schedule runs with the inline copy engine (``Offload(stream="inline")``: the

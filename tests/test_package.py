@@ -46,3 +46,24 @@ def test_help_of_the_package_lists_every_public_name(name):
     if name == "CheckpointPolicy":  # torch's, re-exported
         return
     assert name in ac2_dist.__doc__, f"help(ac2_dist) does not mention ac2_dist.{name}"
+
+
+@pytest.mark.parametrize("numpy", ["blocked", "installed"])
+def test_importing_the_package_prints_nothing(numpy, tmp_path):
+    """Issue 47: without NumPy, ``import ac2_dist`` printed torch's "Failed to initialize
+    NumPy" warning (torch shows it when a package, not the script, first imports it). The
+    package's import is silent either way; the control, a package that imports torch
+    plainly, shows that the check sees the warning where it is printed."""
+    import sys
+
+    import _hang
+
+    block = "import sys; sys.modules['numpy'] = None; " if numpy == "blocked" else ""
+    ours = _hang.run([sys.executable, "-c", block + "import ac2_dist"])
+    assert ours.returncode == 0 and ours.stdout == "" and ours.stderr == "", ours.stderr
+    if numpy == "blocked":
+        (tmp_path / "plain").mkdir()
+        (tmp_path / "plain" / "__init__.py").write_text("import torch\n")
+        env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+        control = _hang.run([sys.executable, "-c", block + "import plain"], env=env)
+        assert control.returncode == 0 and "Failed to initialize NumPy" in control.stderr, control.stderr

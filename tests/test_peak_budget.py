@@ -262,7 +262,7 @@ def test_a_foreign_profiler_makes_the_planner_wait_and_say_what_to_do():
     """Note [A profiler session of the user's]: on CPU a user's profiler session cannot
     be read; the planner keeps its plan, warns once with what to do, does not give up
     however long the session runs, and measures once it ended."""
-    from ac2_dist._peak import _UNMEASURED
+    from ac2_dist._plan._peak import _UNMEASURED
 
     base, block, loss_fn, first = _gpt()
     budget = ac.MemoryBudget(peak="64MiB")
@@ -396,7 +396,7 @@ def _dist_run(rank, world, kind, fractions):
                                             ("ddp", (0.0, 0.5, 1.0))])
 def test_peak_target_on_two_ranks_same_plan_on_every_rank(kind, fractions):
     """FSDP2 per-block units, FSDP2 units nested in the blocks, DDP: 2 gloo ranks."""
-    results = run_ranks(_dist_run, kind, fractions, timeout=600)
+    results = run_ranks(_dist_run, kind, fractions)
     for rank, out in enumerate(results):
         assert out["floor_peak"] < out["eager_peak"]
         assert out["spread"] <= 0.05 * out["floor_peak"], out  # the slack below stays small
@@ -464,7 +464,7 @@ def test_memory_track_sees_the_peak_target_met_under_fsdp():
     after FSDP's root all-gather and the embedding. Both now begin at the model's
     forward: once the plan settles, each rank's report peak is within the target, and
     the planner's figure is the report's."""
-    for rank, out in enumerate(run_ranks(_tracked_fsdp_run, timeout=300)):
+    for rank, out in enumerate(run_ranks(_tracked_fsdp_run)):
         target, plan = out["target"], out["plan"]
         assert out["ends"][0] < target < out["ends"][1], out
         assert out["states"][3:] == ["settled"] * 3, (rank, out["states"], plan)
@@ -513,7 +513,7 @@ def _pipeline_rank(rank, world, schedule):
 def test_pipeline_stages_stay_at_the_floor_without_collectives(schedule):
     """Stages reach a step's first region at different times: the planner of a pipeline
     stage measures nothing and issues no collective (it would deadlock), says so once."""
-    for out in run_ranks(_pipeline_rank, schedule, timeout=240):
+    for out in run_ranks(_pipeline_rank, schedule):
         assert out["state"] == "pipelined" and out["choice"] is None, out
         assert len(out["warnings"]) == 1 and not out["profiler"], out
         assert "at the floor: a torch.distributed.pipelining stage" in out["plan"], out["plan"]
@@ -541,7 +541,7 @@ def _per_rank_targets(rank, world):
 
 
 def test_per_rank_targets_settle_at_different_steps_without_a_hang():
-    r0, r1 = run_ranks(_per_rank_targets, timeout=240)
+    r0, r1 = run_ranks(_per_rank_targets)
     assert r0["state"] == "settled" and r0["choice"] is None and r0["infeasible"] == 1, r0
     assert r1["state"] == "settled" and r1["choice"] is not None and r1["infeasible"] == 0, r1
     assert r0["all_settled"] and r1["all_settled"]
@@ -662,8 +662,8 @@ def test_a_correction_prices_options_from_the_measured_plan():
     """``_solve_from``: each option costs what it holds beyond the measured saved set (what it
     stops saving frees nothing); the measured plan stays when nothing else fits; the bases
     returned predict the chosen plan as priced."""
-    from ac2_dist._block_problem import _Option
-    from ac2_dist._peak_model import _solve, _solve_from
+    from ac2_dist._plan._block_problem import _Option
+    from ac2_dist._plan._peak_model import _solve, _solve_from
 
     class Problem:  # held bytes = the sum of the saved values' sizes
         def __init__(self, sizes):

@@ -8,13 +8,14 @@ before the profiling started" once per process, two ranks' lines interleaved. A 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
+import _hang
 import torch
 
 import ac2_dist as ac
-from ac2_dist import _quiet, memory
+from ac2_dist import memory
+from ac2_dist._measure import _quiet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,7 +43,7 @@ def test_main_job_prints_nothing_from_the_profiler_or_the_allocator(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            os.path.join(ROOT, "launch", "train.py"), "--steps", "2", "--baseline-steps", "3",
            "--baseline-measured", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360, cwd=str(tmp_path), env=env)
+    proc = _hang.run(cmd, cwd=str(tmp_path), env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "per-rank memory report" in proc.stdout and "baseline" in proc.stdout, proc.stdout
     assert _beyond_the_banner(proc.stderr) == [], proc.stderr
@@ -66,8 +67,7 @@ print("done")
 
 def test_a_tracked_step_prints_nothing():
     env = {k: v for k, v in os.environ.items() if k not in ("KINETO_LOG_LEVEL", "TORCH_CPP_LOG_LEVEL")}
-    proc = subprocess.run([sys.executable, "-c", _TRACKED_STEP], capture_output=True, text=True,
-                          timeout=120, env=env)
+    proc = _hang.run([sys.executable, "-c", _TRACKED_STEP], env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "done\n" and proc.stderr == "", proc.stderr
 

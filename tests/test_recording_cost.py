@@ -139,7 +139,7 @@ def test_gc_tracked_objects_per_recorded_op(policy, recorder):
     # references off the collector's lists (Note [Plain records are not tracked by the
     # collector] in _crecord.c): the handles are what is left (0.5 per op); a saved mul
     # is recorded in Python and keeps its Saved and tensor too.
-    from ac2_dist import _tracer
+    from ac2_dist._trace import _tracer
 
     if recorder == "c" and _tracer.C_DISPATCH is None:
         pytest.skip("the C recorder is off or was not built")
@@ -323,7 +323,7 @@ def _same_in_python(record, recorded: tuple) -> None:
     """Where the C recorder is in use (Note [The plain-op path in C] in _crecord.c),
     ``record()`` with the Python plain-op path must give the same facts, node count and
     bitwise the same gradients as ``recorded`` (what the C path gave)."""
-    from ac2_dist import _tracer
+    from ac2_dist._trace import _tracer
 
     if _tracer.C_DISPATCH is None:
         return
@@ -484,7 +484,7 @@ def test_a_freed_random_branch_does_not_keep_saved_values(monkeypatch):
     # before backward unscheduled, after the chain's last needed op: no private replay
     # can pass it, so a policy-saved value is still dropped at its last use (Note
     # [Saved values die at their last use]), as with the branch alive.
-    from ac2_dist import _graph
+    from ac2_dist._trace import _graph
 
     F = torch.nn.functional
     cp = torch.utils.checkpoint.CheckpointPolicy

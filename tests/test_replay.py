@@ -1,4 +1,4 @@
-"""Replay scheduling (CONTRACT §7): prefetching the next unit's replay, the memory
+"""Replay scheduling: prefetching the next unit's replay, the memory
 bound, FSDP coordination; the CUDA side-stream executor where a GPU exists."""
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def _fsdp_prefetch(rank, world):
 
 
 def test_fsdp_prefetch_after_unshard_before_backward_ends():
-    for rank_results in run_ranks(_fsdp_prefetch, timeout=240):
+    for rank_results in run_ranks(_fsdp_prefetch):
         for r in rank_results:
             assert r["err"] < 1e-5, r["err"]
             assert r["gathers"] <= LAYERS  # still at most one all-gather per unit

@@ -1,4 +1,4 @@
-"""The plain replay path (Note [The plain replay path] in ac2_dist/_replayer.py) against
+"""The plain replay path (Note [The plain replay path] in ac2_dist/_trace/_replayer.py) against
 the general one (``Replayer._run``: ``_execute`` + ``_keep``): the same gradients, the
 same values freed at the same unpack, the same statistics, on programs that mix plain
 nodes with every kind the general path handles (writes, scratch accumulators, random
@@ -16,7 +16,8 @@ from _models import GPT, ConvBN, DropoutMLP
 from models import MLPLayer, Stage
 
 import ac2_dist as ac
-from ac2_dist import _graph, _replayer, memory, replay
+from ac2_dist import memory, replay
+from ac2_dist._trace import _graph, _replayer
 
 aten = torch.ops.aten
 

@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 
+import _hang
 import pytest
 import torch
 from torch import nn
@@ -50,7 +51,7 @@ def measured(tmp_path_factory):
     report.save_plan(path)
     # the job gets the simulation's target as it is: the plan file's start is the CPU
     # planner's origin (Note [What a peak target bounds] in _peak.py)
-    real = run_ranks(case.measure_rank, NAMES + ["plan"], path, target, world=2, timeout=400)
+    real = run_ranks(case.measure_rank, NAMES + ["plan"], path, target, world=2)
     return report, real, target, planned, path
 
 
@@ -161,8 +162,7 @@ def test_target_below_the_floor_names_both():
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "-m", "ac2_dist.simulate", *args], capture_output=True, text=True,
-                          timeout=300, cwd=root)
+    return _hang.run([sys.executable, "-m", "ac2_dist.simulate", *args], cwd=root)
 
 
 def test_cli_prints_the_table_and_writes_a_loadable_plan(tmp_path):
@@ -196,9 +196,9 @@ def test_hsdp_shards_over_the_shard_group_only():
 def test_cli_takes_a_factory_of_the_users(tmp_path):
     env_path = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(env_path)
-    done = subprocess.run([sys.executable, "-m", "ac2_dist.simulate", "--model", "_sim_case:build", "--world-size",
+    done = _hang.run([sys.executable, "-m", "ac2_dist.simulate", "--model", "_sim_case:build", "--world-size",
                            "2", "--batch", str(case.BATCH), "--seq", str(case.SEQ), "--device", "cpu", "--modes",
-                           "full", "--save-ops", "mm"], capture_output=True, text=True, timeout=300, cwd=root,
+                           "full", "--save-ops", "mm"], cwd=root,
                           env={**os.environ, "PYTHONPATH": env_path})
     assert done.returncode == 0, done.stderr
     assert "full AC" in done.stdout and "save: mm" in done.stdout
@@ -226,7 +226,7 @@ def bench_rows(request):
     import bench_simulate as bench
 
     model, world = request.param
-    return bench.run_case(bench.Case(model), world, steps=5, timeout=300, fractions=(0.25,))
+    return bench.run_case(bench.Case(model), world, steps=5, fractions=(0.25,))
 
 
 def test_gpt2_and_4_ranks_and_a_peak_target_within_5_and_1_percent(bench_rows):
@@ -255,7 +255,7 @@ def test_torchs_ddp_does_not_run_under_the_fake_process_group():
     from torch._subclasses import FakeTensorMode
     from torch.nn.parallel import DistributedDataParallel
 
-    from ac2_dist._sim_world import fake_world
+    from ac2_dist._sim._world import fake_world
 
     with fake_world(2, 0):
         with torch.device("meta"):

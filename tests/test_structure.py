@@ -1,19 +1,21 @@
-"""The house rules the code itself can check (issue 43): no import circle inside
-``ac2_dist/`` or ``launch/``, no room past ``MAX_LINES``, and every ``Note [...]``
-reference names a Note that exists where it says.
+"""The house rules the code itself can check (issues 43, 47): no import circle inside
+``ac2_dist/`` or ``launch/``, none between the package's wings (``_trace/``, ``_plan/``,
+``_measure/``, ``_sim/``) and its top-level modules, no room past ``MAX_LINES``, and every
+``Note [...]`` reference names a Note that exists where it says.
 
 What counts as an import circle: a cycle in the graph whose edges are the imports a
-module of the package runs, at module level *or* inside a function (a deferred import
+module of the package makes, at module level, inside a function (a deferred import
 still makes the importer depend on the imported room: neither could be read or changed
-alone). Imports under ``if TYPE_CHECKING:`` do not count: they never run (every module
-has ``from __future__ import annotations``), they only name types for annotations.
-Importing a submodule also imports its parent package; that implicit edge is not one
-of the module's own and is not counted either.
+alone) or under ``if TYPE_CHECKING:`` (a type-only import never runs, but the importer
+still names the imported room's classes: the recorder that names the planner's class
+for an annotation knows the planner). Importing a submodule also imports its parent
+package; that implicit edge is not one of the module's own and is not counted.
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -47,34 +49,39 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _runtime_imports(tree: ast.Module) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
-    """Every import statement that can run, with whether it runs at module level; the
-    bodies of ``if TYPE_CHECKING:`` are skipped (their ``else`` is not)."""
-    found: list[tuple[ast.Import | ast.ImportFrom, bool]] = []
+def _imports(tree: ast.Module, type_only: bool = True) -> list[tuple[ast.Import | ast.ImportFrom, str]]:
+    """Every import statement with where it stands: ``"module level"``, ``"in a
+    function"`` or ``"type only"`` (the body of an ``if TYPE_CHECKING:``, left out
+    unless ``type_only``; its ``else`` runs)."""
+    found: list[tuple[ast.Import | ast.ImportFrom, str]] = []
 
-    def walk(node: ast.AST, top: bool) -> None:
+    def walk(node: ast.AST, kind: str) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and _is_type_checking(child.test):
+                if type_only:
+                    for c in child.body:
+                        walk_stmt(c, "type only")
                 for c in child.orelse:
-                    walk_stmt(c, top)
+                    walk_stmt(c, kind)
                 continue
-            walk_stmt(child, top)
+            walk_stmt(child, kind)
 
-    def walk_stmt(child: ast.AST, top: bool) -> None:
+    def walk_stmt(child: ast.AST, kind: str) -> None:
         if isinstance(child, (ast.Import, ast.ImportFrom)):
-            found.append((child, top))
+            found.append((child, kind))
         elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            walk(child, False)
+            walk(child, "type only" if kind == "type only" else "in a function")
         else:
-            walk(child, top)
+            walk(child, kind)
 
-    walk(tree, True)
+    walk(tree, "module level")
     return found
 
 
-def package_import_graph(root: Path) -> dict[str, dict[str, list[str]]]:
+def package_import_graph(root: Path, type_only: bool = True) -> dict[str, dict[str, list[str]]]:
     """``{importer: {imported: ["line N (module level|in a function)", ...]}}`` over the
-    modules of the package at ``root`` (runtime imports only, see the module docstring)."""
+    modules of the package at ``root``: every import (see the module docstring), or with
+    ``type_only=False`` those that run."""
     modules = _package_modules(root)
     graph: dict[str, dict[str, list[str]]] = {name: defaultdict(list) for name in modules}
     for name, path in modules.items():
@@ -82,8 +89,8 @@ def package_import_graph(root: Path) -> dict[str, dict[str, list[str]]]:
             continue
         is_pkg = path.name == "__init__.py"
         here = name.split(".") if is_pkg else name.split(".")[:-1]
-        for node, top in _runtime_imports(ast.parse(path.read_text(), str(path))):
-            where = f"line {node.lineno} ({'module level' if top else 'in a function'})"
+        for node, kind in _imports(ast.parse(path.read_text(), str(path)), type_only):
+            where = f"line {node.lineno} ({kind})"
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -108,8 +115,8 @@ def script_import_graph(folder: Path) -> dict[str, dict[str, list[str]]]:
     modules = {p.stem: p for p in sorted(folder.glob("*.py"))}
     graph: dict[str, dict[str, list[str]]] = {name: defaultdict(list) for name in modules}
     for name, path in modules.items():
-        for node, top in _runtime_imports(ast.parse(path.read_text(), str(path))):
-            where = f"line {node.lineno} ({'module level' if top else 'in a function'})"
+        for node, kind in _imports(ast.parse(path.read_text(), str(path))):
+            where = f"line {node.lineno} ({kind})"
             if isinstance(node, ast.Import):
                 targets = [a.name.split(".")[0] for a in node.names]
             else:
@@ -170,15 +177,50 @@ def _line_of(name: str, text: str) -> int:
     return next(i for i, line in enumerate((PACKAGE / name).read_text().splitlines(), 1) if line.strip() == text)
 
 
+WINGS = ("_trace", "_plan", "_measure", "_sim")  # ac2_dist's private subpackages
+
+
+def wing_graph(graph: dict[str, dict[str, list[str]]], package: str = "ac2_dist",
+               wings: tuple[str, ...] = WINGS) -> dict[str, dict[str, list[str]]]:
+    """``graph`` with every module of a wing folded into the wing (``ac2_dist._trace``
+    for ``ac2_dist._trace._graph``); imports inside one wing drop out, each import
+    between rooms keeps the module that makes it (``_graph.py line 12 (type only)``)."""
+    def room(name: str) -> str:
+        parts = name.split(".")
+        return ".".join(parts[:2]) if len(parts) > 1 and parts[0] == package and parts[1] in wings else name
+
+    out: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for a, targets in graph.items():
+        out[room(a)]  # every room, an isolated one too
+        for b, where in targets.items():
+            if room(a) != room(b):
+                out[room(a)][room(b)] += [f"{a.rsplit('.', 1)[-1]}.py {w}" for w in where]
+    return out
+
+
 def test_no_import_circle_in_the_package():
     graph = package_import_graph(PACKAGE)
-    # The walk sees the package's imports (a module-level one, a deferred one), so an
-    # empty answer below is not a walk that found nothing.
-    assert "ac2_dist._nodes" in graph["ac2_dist._graph"]
-    assert graph["ac2_dist._tracer"]["ac2_dist._crecord"] == [f"line {_line_of('_tracer.py', 'from . import _crecord')} (in a function)"]
+    # The walk sees the package's imports (a module-level one, a deferred one, a type-only
+    # one), so an empty answer below is not a walk that found nothing.
+    assert "ac2_dist._trace._nodes" in graph["ac2_dist._trace._graph"]
+    assert graph["ac2_dist._trace._tracer"]["ac2_dist._trace._crecord"] == [f"line {_line_of('_trace/_tracer.py', 'from . import _crecord')} (in a function)"]
+    assert any("(type only)" in w for w in graph["ac2_dist._trace._replayer"]["ac2_dist._trace._nodes"])
     found = circles(graph)
-    assert not found, "import circles in ac2_dist/ (TYPE_CHECKING imports excluded):\n" + "\n".join(
+    assert not found, "import circles in ac2_dist/ (TYPE_CHECKING imports included):\n" + "\n".join(
         _describe(graph, c) for c in found)
+
+
+def test_the_wings_import_one_way():
+    """Folding each wing into one room, the package is still a graph without a circle
+    (type-only imports counted): the recorder never names the planner, the measuring
+    code or the simulation; the planner never the simulation; and no wing imports a
+    module that imports it back."""
+    assert all((PACKAGE / w / "__init__.py").is_file() for w in WINGS)
+    folded = wing_graph(package_import_graph(PACKAGE))
+    assert "ac2_dist._trace" in folded["ac2_dist._plan"]  # the planner reads the recorder's nodes
+    found = circles(folded)
+    assert not found, "import circles between ac2_dist's wings and top-level modules:\n" + "\n".join(
+        _describe(folded, c) for c in found)
 
 
 def test_no_import_circle_in_launch():
@@ -190,9 +232,11 @@ def test_no_import_circle_in_launch():
 
 def test_the_circle_check_catches_a_circle(tmp_path):
     """A package with a circle through a deferred import, one through a module-level
-    import, and a TYPE_CHECKING-only back edge that is no circle."""
+    import, one through a TYPE_CHECKING import (a circle when type-only imports count,
+    none when they do not), and one between two wings that no two modules close."""
     pkg = tmp_path / "pkg"
-    (pkg / "sub").mkdir(parents=True)
+    for sub in ("sub", "w1", "w2"):
+        (pkg / sub).mkdir(parents=True)
     files = {
         "__init__.py": "from . import a\n",
         "a.py": "from .b import f\n",
@@ -203,14 +247,26 @@ def test_the_circle_check_catches_a_circle(tmp_path):
         "sub/e.py": "from ..sub import f as _f\nimport pkg.sub.g\n",
         "sub/f.py": "",
         "sub/g.py": "from .e import _f\n",
+        "w1/__init__.py": "",
+        "w1/p.py": "from ..w2.q import Q\n",
+        "w1/r.py": "",
+        "w2/__init__.py": "",
+        "w2/q.py": "class Q: ...\n",
+        "w2/s.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..w1.r import R\n",
     }
     for name, text in files.items():
         (pkg / name).write_text(text)
+    running = package_import_graph(pkg, type_only=False)
+    assert running["pkg.c"] == {}  # TYPE_CHECKING only
+    assert circles(running) == [["pkg.a", "pkg.b"], ["pkg.sub.e", "pkg.sub.g"]]
     graph = package_import_graph(pkg)
-    assert graph["pkg.c"] == {}  # TYPE_CHECKING only
+    assert graph["pkg.c"] == {"pkg.d": ["line 3 (type only)"]}
     assert graph["pkg.sub.e"].keys() == {"pkg.sub.f", "pkg.sub.g"}  # ``from ..sub import f``: the submodule
-    assert circles(graph) == [["pkg.a", "pkg.b"], ["pkg.sub.e", "pkg.sub.g"]]
+    assert circles(graph) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"], ["pkg.sub.e", "pkg.sub.g"]]
     assert "pkg.b imports pkg.a at line 2 (in a function)" in _describe(graph, ["pkg.a", "pkg.b"])
+    folded = wing_graph(graph, "pkg", ("w1", "w2"))
+    assert ["pkg.w1", "pkg.w2"] in circles(folded)
+    assert "pkg.w2 imports pkg.w1 at s.py line 3 (type only)" in _describe(folded, ["pkg.w1", "pkg.w2"])
 
 
 # ---- room sizes ---------------------------------------------------------------------------
@@ -314,3 +370,44 @@ def test_note_references_without_a_file_name_a_note():
 ])
 def test_reference_scan(text, expected):
     assert [(_norm(m.group(1)), m.group(2)) for m in _REFERENCE.finditer(_flat(text))] == expected
+
+
+# ---- documents not in the repository ------------------------------------------------------
+
+# The team's internal design document is not in the repository: nothing here may cite it
+# by name, path or section number ("[T]": this file does not match itself).
+_INTERNAL_DOCUMENT = re.compile(r"\bCONTRAC[T]\b|shared/doc[s]|§\s*\d")
+_TEXT_SUFFIXES = {".py", ".c", ".md", ".toml", ".txt", ".json", ".cfg", ".yaml", ".yml", ".sh", ""}
+# The BSD license's disclaimer names liability "whether in contract, strict liability, ..."
+# (in capitals): legal text, not a citation, and not ours to reword.
+_NOT_SCANNED = {"LICENSE"}
+
+
+def _repository_text_files() -> list[Path]:
+    skip_dirs = {".git", "__pycache__", "build", "dist", "_build", "node_modules"}
+    out = []
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if d not in skip_dirs and not d.startswith((".ci-venv", ".venv"))
+                       and not d.endswith(".egg-info") and not d.startswith((".pytest", ".ruff", ".mypy", ".hypothesis"))]
+        for name in filenames:
+            path = Path(dirpath) / name
+            if path.suffix in _TEXT_SUFFIXES and str(path.relative_to(ROOT)) not in _NOT_SCANNED:
+                out.append(path)
+    return out
+
+
+def test_no_text_cites_a_document_not_in_the_repository():
+    files = _repository_text_files()
+    names = {str(p.relative_to(ROOT)) for p in files}
+    assert {"README.md", ".ci/run", "docs/dev/design.md", "ac2_dist/_policy.py", "tests/test_structure.py"} <= names
+    found = []
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            if _INTERNAL_DOCUMENT.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
+    assert not found, ("text citing a document that is not in the repository (say the rule where it "
+                       "applies instead):\n" + "\n".join(found))

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import ac2_dist as ac
-from ac2_dist._tracer import recording_in_python
+from ac2_dist._trace._tracer import recording_in_python
 
 aten = torch.ops.aten
 STATE_BYTES = torch.get_rng_state().nbytes  # one CPU generator state (5,056 B)

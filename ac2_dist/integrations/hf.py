@@ -140,12 +140,12 @@ def enable(
     PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow, module_fqn="", where="integrations.hf.enable")
     func = checkpoint_with(policy, policy_factory=policy_factory, rng=rng, allow_cache_entry_mutation=allow)
     _hf_enable(hf_model, every_n_layers)
-    _install(hf_model, func)
+    _install(hf_model, func, model)
     watch_steps(policy, model)  # a peak target's steps begin at the forward of the model users call
     for name in _SWITCHES[:2]:  # Note [A second switch keeps ac2]
         current = hf_model.__dict__.get(name)
         if hasattr(type(hf_model), name) and (current is None or isinstance(current, _KeepAc2)):
-            hf_model.__dict__[name] = _KeepAc2(hf_model, func, name)
+            hf_model.__dict__[name] = _KeepAc2(hf_model, func, name, model)
     direct = torch_checkpointed(hf_model)
     if direct:  # Note [Model code that calls torch's checkpoint itself]
         warnings.warn(
@@ -158,20 +158,26 @@ def enable(
     return model
 
 
-def _install(model: Any, func: checkpoint_with) -> None:
+def _install(model: Any, func: checkpoint_with, named_from: Any) -> None:
+    """Give every module of ``model`` that HF set up ``func``, bound to the module's path
+    in ``named_from`` (what the user holds: the PEFT wrapper, or ``model`` itself), so
+    its regions carry that name as ``apply_ac``'s do (policies' ``ctx.module_fqn``,
+    reports' per-module rows, a budget's plans)."""
+    names = {id(m): name for name, m in named_from.named_modules()}
     for m in model.modules():
         if "_gradient_checkpointing_func" in m.__dict__ or hasattr(m, "gradient_checkpointing"):
-            m._gradient_checkpointing_func = func  # Note [Through HF's own switch]
+            m._gradient_checkpointing_func = func._for_module(names.get(id(m), ""))  # Note [Through HF's own switch]
 
 
 class _KeepAc2:
     """A model's ``activation_checkpointing_enable`` / ``gradient_checkpointing_enable``
     after :func:`enable` (Note [A second switch keeps ac2])."""
 
-    def __init__(self, model: Any, func: checkpoint_with, name: str) -> None:
+    def __init__(self, model: Any, func: checkpoint_with, name: str, named_from: Any) -> None:
         self.model = model
         self.func = func
         self.name = name
+        self.named_from = named_from
         self.warned = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
@@ -187,7 +193,7 @@ class _KeepAc2:
                 UserWarning, stacklevel=2,
             )
         _hf_enable(self.model, every_n_layers)
-        _install(self.model, self.func)
+        _install(self.model, self.func, self.named_from)
 
 
 def _hf_enable(model: Any, every_n_layers: int) -> None:

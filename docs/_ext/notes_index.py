@@ -124,7 +124,6 @@ def modules(root: str = ROOT) -> list[tuple[str, str, int]]:
         first = " ".join(lines).split(". ")[0].rstrip(".")
         first = re.sub(r":\w+:`~?([^`]+)`", r"\1", first)  # roles: their target's text
         first = re.sub(r"``([^`]+)``", r"\1", first)
-        first = re.sub(r"\s*\(CONTRACT §[\d/§]+\)", "", first)  # an internal document, not in the repository
         first = re.sub(r"\s*\(Note \[[^\]]+\](?: in [\w./]+)?\)", "", first)  # the Notes table lists them
         out.append((rel, first + "." if first else "", len(text.splitlines())))
     return out

@@ -1,4 +1,4 @@
-"""Replaying recorded ops in backward: the half of :class:`~ac2_dist._graph.Graph` that
+"""Replaying recorded ops in backward: the half of :class:`~ac2_dist._trace._graph.Graph` that
 computes the node outputs backward asks for from the nearest saved values.
 
 :class:`Replayer` is ``Graph``'s base class. It runs what is missing in program order
@@ -49,9 +49,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..side_effects import _INFO
 from ._graph_stats import GraphStats
 from ._nodes import flatten_outputs, producers, tensor_nbytes
-from .side_effects import _INFO
 
 if TYPE_CHECKING:
     from ._nodes import Node, RngChain
@@ -88,7 +88,7 @@ def _owns_storage(v: torch.Tensor) -> bool:
 
 
 class Replayer:
-    """Base class of :class:`~ac2_dist._graph.Graph`: the replay of recorded ops (see
+    """Base class of :class:`~ac2_dist._trace._graph.Graph`: the replay of recorded ops (see
     the module docstring). Its methods read the graph's state below and call the
     graph's ``take``, ``arm`` and ``_saved_value``."""
 

@@ -1,5 +1,5 @@
 /* The tracer's plain-op path and the region's pack hook in C (optional: _c_recorder in
- * ac2_dist/_tracer.py says when they are used; pyproject.toml builds them where a compiler is).
+ * ac2_dist/_trace/_tracer.py says when they are used; pyproject.toml builds them where a compiler is).
  *
  * Note [The plain-op path in C]
  *     The recording cost per op is Python bytecode: Tracer.__torch_dispatch__'s plain
@@ -96,7 +96,7 @@ static int member_offsets(PyTypeObject *t, const char **names, int n, Py_ssize_t
         PyObject *d = t->tp_dict ? PyDict_GetItemString(t->tp_dict, names[i]) : NULL;
         if (d == NULL || Py_TYPE(d) != &PyMemberDescr_Type ||
             ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
-            PyErr_Format(PyExc_TypeError, "ac2_dist._crecord: %s.%s is not a slot", t->tp_name, names[i]);
+            PyErr_Format(PyExc_TypeError, "ac2_dist._trace._crecord: %s.%s is not a slot", t->tp_name, names[i]);
             return -1;
         }
         out[i] = ((PyMemberDescrObject *)d)->d_member->offset;
@@ -106,7 +106,7 @@ static int member_offsets(PyTypeObject *t, const char **names, int n, Py_ssize_t
 
 static int take_type(PyObject *o, PyTypeObject **out, const char *what) {
     if (!PyType_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "ac2_dist._crecord: %s must be a class", what);
+        PyErr_Format(PyExc_TypeError, "ac2_dist._trace._crecord: %s must be a class", what);
         return -1;
     }
     Py_INCREF(o);
@@ -124,7 +124,7 @@ static PyObject *Dispatch_new(PyTypeObject *type, PyObject *args, PyObject *kw) 
                                      &PyTuple_Type, &nones, &no_kwargs, &node, &entry, &opinfo, &frame))
         return NULL;
     if (PyTuple_GET_SIZE(recompute) != 2) {
-        PyErr_SetString(PyExc_ValueError, "ac2_dist._crecord: recompute must be a (decision, save) pair");
+        PyErr_SetString(PyExc_ValueError, "ac2_dist._trace._crecord: recompute must be a (decision, save) pair");
         return NULL;
     }
     Dispatch *d = (Dispatch *)type->tp_alloc(type, 0);
@@ -292,7 +292,7 @@ static PyObject *record(Dispatch *d, PyObject *graph, PyObject *entries, PyObjec
     if (e == NULL) goto fail;
     if (Py_TYPE(e) != d->entry_t) {
         Py_DECREF(e);
-        PyErr_SetString(PyExc_TypeError, "ac2_dist._crecord: the map entry class made another type");
+        PyErr_SetString(PyExc_TypeError, "ac2_dist._trace._crecord: the map entry class made another type");
         goto fail;
     }
     PyObject *key = PyLong_FromVoidPtr(out);
@@ -365,7 +365,7 @@ static int walk(Dispatch *d, PyObject *graph, PyObject *entries, PyObject *args,
                 if (m == NULL || j == NULL) {
                     Py_XDECREF(m);
                     Py_XDECREF(j);
-                    PyErr_SetString(PyExc_AttributeError, "ac2_dist._crecord: a tensor map entry without its node");
+                    PyErr_SetString(PyExc_AttributeError, "ac2_dist._trace._crecord: a tensor map entry without its node");
                     current = -1;
                 }
             }
@@ -377,7 +377,7 @@ static int walk(Dispatch *d, PyObject *graph, PyObject *entries, PyObject *args,
             if (res == NULL) goto error;
             if (!PyTuple_CheckExact(res) || PyTuple_GET_SIZE(res) != 2) {
                 Py_DECREF(res);
-                PyErr_SetString(PyExc_TypeError, "ac2_dist._crecord: Graph.ref must return (node, index)");
+                PyErr_SetString(PyExc_TypeError, "ac2_dist._trace._crecord: Graph.ref must return (node, index)");
                 goto error;
             }
             m = PyTuple_GET_ITEM(res, 0);
@@ -388,7 +388,7 @@ static int walk(Dispatch *d, PyObject *graph, PyObject *entries, PyObject *args,
         }
         PyObject *pos = Py_TYPE(m) == d->node_t ? PyLong_FromSsize_t(i) : NULL;
         if (pos == NULL) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "ac2_dist._crecord: a producer that is not a Node");
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "ac2_dist._trace._crecord: a producer that is not a Node");
             Py_DECREF(m);
             Py_DECREF(j);
             goto error;
@@ -429,7 +429,7 @@ static PyObject *recorded_args(Dispatch *d, PyObject *args, PyObject *inputs, in
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(inputs); k += 3) {
         Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(inputs, k));
         if (pos < 0 || pos >= nargs) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "ac2_dist._crecord: a bad input position");
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "ac2_dist._trace._crecord: a bad input position");
             Py_DECREF(t);
             return NULL;
         }
@@ -565,7 +565,7 @@ static PyMemberDef Dispatch_members[] = {
 
 static PyTypeObject DispatchType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "ac2_dist._crecord.Dispatch",
+    .tp_name = "ac2_dist._trace._crecord.Dispatch",
     .tp_basicsize = sizeof(Dispatch),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
     .tp_doc = "Tracer.__torch_dispatch__ with its plain-op path in C (Note [The plain-op path in C]).",
@@ -651,7 +651,7 @@ static void Pack_dealloc(Pack *p) {
 static int incr_slot(PyObject *o, Py_ssize_t off) {
     PyObject *v = SLOT(o, off);
     if (v == NULL) {
-        PyErr_SetString(PyExc_AttributeError, "ac2_dist._crecord: a counter slot is unset");
+        PyErr_SetString(PyExc_AttributeError, "ac2_dist._trace._crecord: a counter slot is unset");
         return -1;
     }
     PyObject *w = PyNumber_Add(v, ONE);
@@ -752,7 +752,7 @@ static PyMemberDef Pack_members[] = {
 
 static PyTypeObject PackType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "ac2_dist._crecord.Pack",
+    .tp_name = "ac2_dist._trace._crecord.Pack",
     .tp_basicsize = sizeof(Pack),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_doc = "A graph's saved-tensor pack hook, its forward cases in C (Note [The pack hook in C]).",
@@ -843,7 +843,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "ac2_dist._crecord",
+    PyModuleDef_HEAD_INIT, "ac2_dist._trace._crecord",
     "The tracer's plain-op path in C (Note [The plain-op path in C]).", -1, module_methods, NULL, NULL, NULL, NULL,
 };
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 
-from ._nodes import REASONS
-from ._rank_report import RankReport
-from ._sizes import human_bytes as _human_bytes
+from .._sizes import human_bytes as _human_bytes
+from .._trace._nodes import REASONS
+from ._rank_report import RankReport, as_reports
 
 __all__ = ["format_table", "plot"]
 
@@ -34,9 +34,16 @@ def _value(r: RankReport, key: str) -> float:
     return getattr(r, key)
 
 
-def format_table(reports: list[RankReport] | None) -> str:
+def format_table(reports: list[RankReport] | RankReport | None) -> str:
     """A rank x metric table; with several ranks, min / max / imbalance (max / mean)
-    columns follow the ranks' (one report: its column only)."""
+    columns follow the ranks' (one report: its column only).
+
+    ``reports``: what :func:`gather` returned (``None`` off rank 0 gives
+    ``"(no reports)"``), or one :class:`RankReport`. Raises TypeError for anything else.
+    """
+    if reports is None:
+        return "(no reports)"
+    reports = as_reports(reports, "format_table")
     if not reports:
         return "(no reports)"
     reports = sorted(reports, key=lambda r: r.rank)
@@ -80,12 +87,14 @@ def format_table(reports: list[RankReport] | None) -> str:
     return "\n".join(lines)
 
 
-def plot(reports: list[RankReport], path: str | os.PathLike[str]) -> None:
+def plot(reports: list[RankReport] | RankReport, path: str | os.PathLike[str]) -> None:
     """Write a PNG: per-rank bars of saved / recomputed / peak, and a per-module breakdown.
 
-    Needs matplotlib (``pip install 'ac2-dist[plot]'``). Raises ValueError unless ``path``
+    Needs matplotlib (``pip install 'ac2-dist[plot]'``). Raises TypeError unless
+    ``reports`` is a list of :class:`RankReport` (or one), ValueError unless ``path``
     ends in ``.png``, ImportError without matplotlib, OSError if ``path`` cannot be written.
     """
+    reports = as_reports(reports, "plot")
     if not os.fspath(path).lower().endswith(".png"):
         raise ValueError(f"ac2_dist.memory.plot writes PNG files: give a path ending in .png, got {path!r}")
     try:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from .._policy import _Frame, is_save, resolve
+from ..side_effects import _INFO, hop_writes, op_info
 from ._graph import Graph
 from ._nodes import Node, Saved, version_of
-from ._policy import _Frame, is_save, resolve
 from ._writes import is_literal, stale_view
-from .side_effects import _INFO, hop_writes, op_info
 
 __all__: list[str] = []
 

@@ -14,7 +14,7 @@ Note [The simulated step is counted by torch's tracker]
     above it: the ops it runs and replays reach the tracker as any op does. What it
     cannot see -- the allocator's fragmentation and reserved-but-free blocks, the
     kernels' internal workspaces, NCCL's buffers, the CUDA context -- is not counted
-    (:data:`NOT_COUNTED` in _sim_report.py names each with a typical size).
+    (:data:`NOT_COUNTED` in _sim/_report.py names each with a typical size).
     The meter reads the tracker's running total after every op (``_update_peak_stats``
     is called there): the step's peak, with the phase it happened in, and the peak of
     each segment between the marks a ``MemoryBudget(peak=...)`` planner would set

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ._sizes import human_bytes
+from .._sizes import human_bytes
 
 __all__ = ["DEVICES", "NOT_COUNTED", "ModeReport"]
 

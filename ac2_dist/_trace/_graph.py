@@ -161,7 +161,7 @@ Note [Saved values are version-checked references]
     alias with the same version counter) so no reference cycle
     tensor -> grad_fn -> handle -> node -> tensor forms; region inputs and
     non-differentiable non-view outputs are stored as the same object (identity is
-    preserved, CONTRACT §4).
+    preserved: a user who compares a saved input by ``is`` sees the object they passed).
 """
 
 from __future__ import annotations
@@ -173,6 +173,8 @@ from typing import Any
 
 import torch
 
+from .._policy import Decision
+from ..compile import skip_dynamo
 from ._graph_backward import _GraphBackward
 from ._graph_stats import GraphStats
 from ._nodes import (
@@ -187,9 +189,7 @@ from ._nodes import (
     producers,
     version_of,
 )
-from ._policy import Decision
 from ._writes import HeldStorages, Literal, stale_view
-from .compile import skip_dynamo
 
 _CP = torch.utils.checkpoint.CheckpointPolicy
 

@@ -243,7 +243,7 @@ def stale_view(graph: Any, t: torch.Tensor, fqn: str) -> tuple[Node, int] | None
 class Literal:
     """A saved value remembered by its bytes: a small CPU tensor Python made outside the
     dispatcher. Each read makes a new tensor with the same dtype, shape and bytes.
-    Duck-types :class:`~ac2_dist._nodes.Saved`."""
+    Duck-types :class:`~ac2_dist._trace._nodes.Saved`."""
 
     # See Note [Writes inside a region].
 

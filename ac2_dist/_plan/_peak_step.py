@@ -33,8 +33,8 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._alloc import AllocationTrace
-from ._alloc_history import AllocatorHistory
+from .._measure._alloc import AllocationTrace
+from .._measure._alloc_history import AllocatorHistory
 
 __all__: list[str] = []
 

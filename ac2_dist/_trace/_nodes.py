@@ -1,7 +1,7 @@
 """What a region's graph is made of: one recorded op call (:class:`Node`), a value kept
 from forward (:class:`Saved`), what autograd holds instead of a saved tensor
 (:class:`Handle`), the forward tensor -> node-output map (:class:`TensorMap`) and the
-chain of a generator's random ops (:class:`RngChain`). :class:`~ac2_dist._graph.Graph`
+chain of a generator's random ops (:class:`RngChain`). :class:`~ac2_dist._trace._graph.Graph`
 connects them (records, arms, replays). A Note named here without a file is in this
 module or in ``_graph.py``'s docstring.
 """
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ._compat import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD
-from ._policy import SAVE_WITH_HOOKS, Decision
+from .._compat import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD
+from .._policy import SAVE_WITH_HOOKS, Decision
 
 _CP = torch.utils.checkpoint.CheckpointPolicy
 # Compared by identity: ``d in CPU_OFFLOAD`` hashes the enum (a Python call) per saved value.

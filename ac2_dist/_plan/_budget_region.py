@@ -42,19 +42,19 @@ Note [Identical blocks share the first step]
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .._trace._nodes import flatten_outputs, input_refs
+from ..fsdp import own_ops_scope
+from ..side_effects import op_info
 from ._block_problem import Plan, _CostModel, _Problem, _Record, _tensor_bytes
-from ._nodes import flatten_outputs, input_refs
-from .fsdp import own_ops_scope
-from .side_effects import op_info
 
 if TYPE_CHECKING:
-    from .budget import MemoryBudget
+    from ._peak import PeakPlanner
 
 _CP = CheckpointPolicy
 _PS, _PR = _CP.PREFER_SAVE, _CP.PREFER_RECOMPUTE
@@ -64,11 +64,29 @@ _SCOPE_ENTER = torch.ops.profiler._record_function_enter_new.default
 _SCOPE_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 
 
+class RegionOwner(Protocol):
+    """What a :class:`_BudgetRegion` asks of the budget that made it (a
+    :class:`~ac2_dist.MemoryBudget`): its plans by module and by structure, the cost
+    model, and the peak planner of a peak target. The planner names this, never the
+    public class above it."""
+
+    _planner: PeakPlanner | None  # a peak target's planner (None: fraction or bytes)
+
+    def _plan_for(self, fqn: str) -> tuple[Plan | None, bool]: ...
+    def _first_match(self, fqn: str, key: tuple) -> Plan | None: ...
+    def _switch(self, plan: Plan, k: int, key: tuple, fqn: str = "") -> Plan | None: ...
+    def _mismatch(self, fqn: str, k: int, key: tuple | None) -> None: ...
+    def _follow(self, fqn: str, plan: Plan) -> None: ...
+    def _forget(self, fqn: str) -> None: ...
+    def _adopt(self, fqn: str, problem: _Problem) -> Plan: ...
+    def _cost_model(self, device: torch.device) -> _CostModel: ...
+
+
 class _BudgetRegion:
-    """The policy of one region under a :class:`MemoryBudget` (Note [Calibrate, plan,
+    """The policy of one region under a :class:`~ac2_dist.MemoryBudget` (Note [Calibrate, plan,
     replay the plan]); also the region's observer while it calibrates."""
 
-    def __init__(self, budget: MemoryBudget, fqn: str) -> None:
+    def __init__(self, budget: RegionOwner, fqn: str) -> None:
         self.budget = budget
         self.fqn = fqn
         self.plan, self.may_follow = budget._plan_for(fqn)

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ._nodes import REASONS
+from .._trace._nodes import REASONS
 
 __all__ = ["RankReport", "SCHEMA_VERSION"]
 
@@ -75,6 +75,35 @@ class RankReport:
             if name in d:
                 values[name] = check(name, d[name])
         return cls(**values)
+
+
+def _what(value: Any) -> str:
+    """``value`` named for an error message, with the fix when it is a tracker."""
+    if callable(getattr(value, "report", None)) and not isinstance(value, RankReport):
+        return f"a {type(value).__name__} (call its .report() for this rank's RankReport)"
+    return f"a {type(value).__name__}"
+
+
+def as_report(value: Any, who: str) -> RankReport:
+    """``value`` if it is one rank's :class:`RankReport`; a TypeError naming ``who`` and
+    what was passed instead (a tracker: call its ``.report()``)."""
+    if not isinstance(value, RankReport):
+        raise TypeError(f"ac2_dist.memory.{who} takes this rank's RankReport (tracker.report()), got {_what(value)}")
+    return value
+
+
+def as_reports(value: Any, who: str) -> list[RankReport]:
+    """``value`` as a list of :class:`RankReport` (a list or tuple of them, or one of
+    them); a TypeError naming ``who`` and the first thing that is not one."""
+    if isinstance(value, RankReport):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"ac2_dist.memory.{who} takes a list of RankReport (memory.gather(...) on rank 0, or "
+                        f"[tracker.report()]), got {_what(value)}")
+    for i, r in enumerate(value):
+        if not isinstance(r, RankReport):
+            raise TypeError(f"ac2_dist.memory.{who}: item {i} of the list is {_what(r)}, not a RankReport")
+    return list(value)
 
 
 def _describe(value: Any) -> str:

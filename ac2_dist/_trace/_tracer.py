@@ -7,9 +7,9 @@ argument walk only looks inside lists when the schema has ``Tensor[]`` arguments
 
 Note [What the tracer decides per op]
     1. Ignored metadata ops (``SAC_IGNORED_OPS``) are recomputable and the policy is
-       not asked (CONTRACT §2).
+       not asked (as torch's selective checkpoint does).
     2. Otherwise the nested policies are resolved (``_policy.resolve``).
-    3. Side effects override the policy (CONTRACT §3): collectives, FSDP ops, ops
+    3. Side effects override the policy (side_effects.py): collectives, FSDP ops, ops
        that write an input, opaque ops and RNG ops under ``rng="save"`` are saved; a
        MUST_RECOMPUTE for one of them is an error naming the op.
     4. A saved node keeps its outputs and drops its arguments (recompute never goes
@@ -106,16 +106,16 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._device import default_generator
+from .._policy import PolicyContext, _Frame, is_save, resolve
+from ..compile import COMPILER_STATE as _COMPILER
+from ..compile import skip_dynamo as _skip_dynamo
+from ..side_effects import _INFO, OpInfo, SideEffect, op_info
 from ._collective_probe import _COMMUNICATING, _CollectiveProbe
 from ._graph import Graph
 from ._nodes import NO_KWARGS, Handle, MapEntry, Node, Saved, alias, flatten_outputs, version_of
-from ._policy import PolicyContext, _Frame, is_save, resolve
 from ._tracer_general import _NONES, _GeneralPath
 from ._writes import literal, overwritten, write_aliases
-from .compile import COMPILER_STATE as _COMPILER
-from .compile import skip_dynamo as _skip_dynamo
-from .replay import default_generator
-from .side_effects import _INFO, OpInfo, SideEffect, op_info
 
 _CP = torch.utils.checkpoint.CheckpointPolicy
 _Tensor = torch.Tensor

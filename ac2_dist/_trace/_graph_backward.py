@@ -1,4 +1,4 @@
-"""The backward side of :class:`~ac2_dist._graph.Graph`: arming the saved values'
+"""The backward side of :class:`~ac2_dist._trace._graph.Graph`: arming the saved values'
 handles (Note [Arming waits for backward]), taking pending uses, unpacking a handle
 (the saved value, or a replay through :class:`~._replayer.Replayer`), prefetching,
 and a new epoch under ``retain_graph=True``.
@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from ..compile import skip_dynamo
+from ..fsdp import ensure_unsharded
 from ._nodes import FREED, Handle, Node, Saved, tensor_nbytes
 from ._replayer import Replayer
-from .compile import skip_dynamo
-from .fsdp import ensure_unsharded
 
 __all__: list[str] = []
 
@@ -49,7 +49,7 @@ def _remember(h: Handle, v: Any) -> Any:
 
 
 class _GraphBackward(Replayer):
-    """What backward does with a :class:`~ac2_dist._graph.Graph` (its forward side
+    """What backward does with a :class:`~ac2_dist._trace._graph.Graph` (its forward side
     sets the fields these methods read)."""
 
     # ---- backward side ------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The fake world a simulation runs in: torch's fake process group for W ranks in this
-process (Note [A step without data] in _sim_run.py), and the per-block FSDP2 wrapping
+process (Note [A step without data] in _sim/_run.py), and the per-block FSDP2 wrapping
 of the command line."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def per_block_shard(blocks: Any, world_size: int, shard_size: int | None) -> Cal
     ``(world_size / shard_size, shard_size)`` mesh when ``shard_size`` is given)."""
     from torch.distributed.fsdp import fully_shard
 
-    from ._modules import _select
+    from .._modules import _select
 
     def shard(model: nn.Module) -> None:
         kwargs: dict[str, Any] = {}

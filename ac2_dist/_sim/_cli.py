@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._sizes import parse_size
+from .._sizes import parse_size
 
 __all__: list[str] = []
 
@@ -113,7 +113,7 @@ def main(simulate: Callable[..., Any], argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
     dtype = _DTYPES[args.dtype]
     if args.ddp:
-        from ._sim_world import ddp_refused
+        from ._world import ddp_refused
 
         raise ValueError(ddp_refused())
     for name in ("batch", "seq"):

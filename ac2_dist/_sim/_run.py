@@ -9,7 +9,7 @@ Note [A step without data]
     op's output are fake tensors (shapes, dtypes, storages; no bytes). Two steps run:
     the first creates the optimizer's states (AdamW's are lazy) and calibrates ac2's
     blocks; the second is the one counted (Note [The simulated step is counted by
-    torch's tracker] in _sim_meter.py). The ops dispatched are the CPU ops of the
+    torch's tracker] in _sim/_meter.py). The ops dispatched are the CPU ops of the
     dtype asked for (the simulation runs on CPU kernels' dispatch: on CUDA, attention
     dispatches to other kernels whose saved tensors may differ by a few per cent).
 """
@@ -24,11 +24,11 @@ import torch
 from torch import nn
 from torch._subclasses import FakeTensorMode
 
-from ._block_problem import Plan, _CostModel, _Problem
-from ._budget_region import _BudgetRegion
-from ._modules import _select, apply_ac
-from ._sim_meter import make_meter
-from .budget import MemoryBudget
+from .._modules import _select, apply_ac
+from .._plan._block_problem import Plan, _CostModel, _Problem
+from .._plan._budget_region import _BudgetRegion
+from ..budget import MemoryBudget
+from ._meter import make_meter
 
 __all__: list[str] = []
 

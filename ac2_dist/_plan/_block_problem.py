@@ -179,7 +179,7 @@ class _Problem:
         self.order = sorted(self.records)  # program order
         self.targets = {t for t in targets if t in self.records}
         self.forced = forced & set(self.records)
-        self.written = written & set(self.records)  # kept for a plan file (_sim_plan.py)
+        self.written = written & set(self.records)  # kept for a plan file (_plan/_plan_file.py)
         self.signature = signature
         recomputed = self.evaluate(frozenset())[2]  # what "recompute_all" replays
         candidates = [

@@ -18,7 +18,7 @@ Note [What a peak target bounds]
     allocated-bytes counter, N bounds the peak above what was allocated when the step
     began (``memory.track``'s peak forward and peak backward) plus ``cpu_origin``: 0, or a
     plan file's simulated start (Note [A plan file is the planner's state] in
-    _sim_plan.py), making N absolute as on CUDA. Everything counts: the blocks' saved and
+    _plan/_plan_file.py), making N absolute as on CUDA. Everything counts: the blocks' saved and
     recomputed values, gradients, FSDP's unsharded parameters and prefetches, the replay
     working set, the loss and its backward.
 
@@ -79,15 +79,15 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._alloc import AllocationTrace, active_trace
-from ._alloc_history import AllocatorHistory
+from .._device import device_of
+from .._measure._alloc import AllocationTrace, active_trace
+from .._measure._alloc_history import AllocatorHistory
+from .._pipelining import pipeline_microbatch as _pipeline_microbatch
+from .._sizes import human_bytes as _human
+from .._sizes import human_or_dash as _opt_human
 from ._block_problem import BlockBudget, Plan, _Option, _Problem
-from ._device import device_of
 from ._peak_model import _solve, _solve_from
 from ._peak_step import _all_max, _Call, _missing, _Record, _Step, _watch_model
-from ._pipelining import pipeline_microbatch as _pipeline_microbatch
-from ._sizes import human_bytes as _human
-from ._sizes import human_or_dash as _opt_human
 
 __all__ = ["PeakPlanner"]
 

@@ -8,8 +8,8 @@ from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .compile import skip_dynamo as _skip_dynamo
-from .side_effects import _INFO, SideEffect, op_info
+from ..compile import skip_dynamo as _skip_dynamo
+from ..side_effects import _INFO, SideEffect, op_info
 
 __all__: list[str] = []
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._rank_report import SCHEMA_VERSION, RankReport, _describe
+from ._rank_report import SCHEMA_VERSION, RankReport, _describe, as_report, as_reports
 
 __all__ = ["gather", "save_run", "load_run", "run_warnings"]
 
@@ -20,7 +20,10 @@ def gather(report: RankReport) -> list[RankReport] | None:
     """Collect every rank's report on rank 0 (a collective); ``None`` elsewhere.
 
     Call it on every rank. Without an initialized process group it returns ``[report]``.
+    Raises TypeError, before any communication, for anything but a :class:`RankReport`
+    (a ``Tracker``: pass ``tracker.report()``).
     """
+    as_report(report, "gather")
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return [report]
@@ -64,9 +67,11 @@ def save_run(reports: list[RankReport] | None, path: str) -> None:
 
     ``reports`` is what :func:`gather` returned: on the ranks where that is ``None``
     (every rank but rank 0) nothing is written, so every rank can make the same call.
+    Raises TypeError for anything but a list of :class:`RankReport` (or ``None``).
     """
     if reports is None:
         return
+    reports = as_reports(reports, "save_run")
     with open(path, "w") as f:
         json.dump({"schema_version": SCHEMA_VERSION, "ranks": [r.to_dict() for r in reports]}, f, indent=1)
 
@@ -109,6 +114,7 @@ def load_run(path: str) -> list[RankReport]:
 def run_warnings(reports: list[RankReport]) -> list[str]:
     """Inconsistencies in a set of rank reports that still render (one line each):
     no reports, mixed world sizes, ranks outside ``[0, world_size)``, duplicate ranks."""
+    reports = as_reports(reports, "run_warnings")
     if not reports:
         return ["no rank reports"]
     problems = []
