@@ -15,10 +15,12 @@ import sys
 import tarfile
 import zipfile
 
-SDIST = ["pyproject.toml", "README.md", "LICENSE", "ac2_dist/__init__.py", "ac2_dist/_trace/_crecord.c", "ac2_dist/py.typed",
+SDIST = ["pyproject.toml", "README.md", "CHANGELOG.md", "LICENSE", "ac2_dist/__init__.py", "ac2_dist/_trace/_crecord.c", "ac2_dist/py.typed",
          "ac2_dist/integrations/hf.py"]
 WHEEL = ["ac2_dist/__init__.py", "ac2_dist/py.typed", "ac2_dist/distributed.py", "ac2_dist/report.py",
-         "ac2_dist/integrations/hf.py", "ac2_dist/integrations/torch_checkpoint.py"]
+         "ac2_dist/integrations/hf.py", "ac2_dist/integrations/torch_checkpoint.py",
+         # one module of each wing (a subpackage the build did not find would be missing whole)
+         "ac2_dist/_trace/_graph.py", "ac2_dist/_plan/_peak.py", "ac2_dist/_measure/_alloc.py", "ac2_dist/_sim/_cli.py"]
 
 
 def main(dist: str) -> int:
@@ -32,8 +34,8 @@ def main(dist: str) -> int:
         in_wheel = set(z.namelist())
     missing = [f"sdist: {name}" for name in SDIST if name not in in_sdist]
     missing += [f"wheel: {name}" for name in WHEEL if name not in in_wheel]
-    if not any(n.startswith("ac2_dist/_crecord") and n.endswith((".so", ".pyd")) for n in in_wheel):
-        missing.append("wheel: the compiled C recorder (ac2_dist/_crecord*.so)")
+    if not any(n.startswith("ac2_dist/_trace/_crecord") and n.endswith((".so", ".pyd")) for n in in_wheel):
+        missing.append("wheel: the compiled C recorder (ac2_dist/_trace/_crecord*.so)")
     if not any(n.endswith(("/licenses/LICENSE", ".dist-info/LICENSE")) for n in in_wheel):
         missing.append("wheel: LICENSE in its .dist-info")
     if missing:

@@ -141,6 +141,17 @@ def checkpoint(
     Returns:
         What ``function`` returns. Inside ``torch.compile`` the call is one
         checkpointed region of the compiled graph with the same policy.
+
+    Example::
+
+        import torch
+        import ac2_dist as ac
+
+        block = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        x = torch.randn(8, 64, requires_grad=True)
+        y = ac.checkpoint(block, x, use_reentrant=False)   # where torch.utils.checkpoint.checkpoint was
+        y.sum().backward()
+        keep_mm = ac.checkpoint(block, x, use_reentrant=False, policy=[torch.ops.aten.addmm.default])
     """
     # Note [The function's keywords are the function's]: the docstring's "Keywords"
     # paragraph (torch's rule: a keyword the function can take is the function's).

@@ -333,6 +333,14 @@ def apply_ac(
         policy_factory: instead of ``policy``, a zero-argument callable called at
             every forward of every selected module for a fresh policy (stateful
             policies such as torchtitan's "save every second matmul").
+        rng: what backward does with random ops (dropout): ``"save"`` (the default)
+            keeps their outputs (a dropout mask is kept, as torch's selective checkpoint
+            keeps it); ``"replay"`` regenerates their bits exactly from the generator
+            state forward saw, keeping nothing (torch's full checkpoint's memory).
+            Gradients are eager's either way.
+        allow_cache_entry_mutation: let a value the region saved be changed in place
+            after forward (backward then reads the changed value, as eager would not);
+            by default such a change raises at backward, naming the op.
         replay: a :class:`ReplayConfig`: where replays run and how many modules
             ahead backward prefetches them. Without an ``offload`` in it, the selected
             modules share one new :class:`ac2_dist.Offload` (CPU-offloaded saves on
@@ -340,6 +348,17 @@ def apply_ac(
 
     Raises TypeError for arguments of the wrong kind and ValueError if nothing
     matches (a typo in ``modules`` should not silently checkpoint nothing).
+
+    Example::
+
+        import torch
+        import ac2_dist as ac
+
+        Layer = torch.nn.TransformerEncoderLayer
+        model = torch.nn.Sequential(*[Layer(64, 4, 256, dropout=0.1, batch_first=True) for _ in range(4)])
+        ac.apply_ac(model, "recompute_all", modules=[Layer], rng="replay")  # dropout masks regenerated
+        model(torch.randn(2, 16, 64)).sum().backward()   # each layer replays only the ops backward needs
+        assert ac.is_checkpointed(model[0])
     """
     if not isinstance(model, nn.Module):
         raise TypeError(

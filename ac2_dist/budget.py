@@ -89,6 +89,18 @@ class MemoryBudget:
     size and cost; later calls of that structure (and identical blocks) follow the plan
     made from it. See :meth:`format_plan` for what was chosen. Eager only
     (``torch.compile`` has its own: ``torch._functorch.config.activation_memory_budget``).
+
+    Example::
+
+        import torch
+        import ac2_dist as ac
+
+        Layer = torch.nn.TransformerEncoderLayer
+        model = torch.nn.Sequential(*[Layer(64, 4, 256, dropout=0.0, batch_first=True) for _ in range(4)])
+        budget = ac.MemoryBudget(0.5)   # half-way from "recompute_all" to "must_save_all", per layer
+        ac.apply_ac(model, budget, modules=[Layer])
+        model(torch.randn(2, 16, 64)).sum().backward()   # the first call calibrates, the rest follow the plan
+        print(budget.format_plan())
     """
 
     # Note [Calibrate, plan, replay the plan] in _budget_region.py: how the first call of

@@ -478,6 +478,17 @@ def track(model: nn.Module | None = None) -> Tracker:
     which finishes each microbatch before the next, also reports one step per schedule
     step). Elsewhere (gradient accumulation, another pipeline framework), call
     :meth:`Tracker.step` at the start of each iteration: steps are then set by hand only.
+
+    Example::
+
+        import torch
+        import ac2_dist as ac
+
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        ac.apply_ac(model, "recompute_all")
+        with ac.memory.track(model) as tracker:
+            model(torch.randn(32, 64)).sum().backward()
+        print(ac.memory.format_table(tracker.report()))   # under torchrun: memory.gather(...) first
     """
     return Tracker(model)
 

@@ -28,12 +28,23 @@ from torch import nn
 
 from ._plan import _plan_file
 from ._plan._peak_model import _solve
-from ._sim._report import DEVICES, NOT_COUNTED, ModeReport, format_table
+from ._sim import _report
+from ._sim._report import ModeReport, format_table
 from ._sim._run import _Recorder, _Run, _Spec, run_mode
 from ._sim._world import ddp_refused, fake_world, per_block_shard
 from ._sizes import human_bytes, parse_size
 
 __all__ = ["DEVICES", "NOT_COUNTED", "ModeReport", "SimulationReport", "simulate"]
+
+#: The named devices whose rates price recompute (``device=`` here, ``--device`` on the
+#: command line), each name with its 16-bit and 32-bit dense matmul FLOP/s and its memory
+#: bytes/s, from the vendors' datasheets (SXM parts; fp32 without TF32, torch's default).
+DEVICES = _report.DEVICES
+
+#: What the simulation does not count, each a pair of what and its typical size on a
+#: GPU. The report's figures are allocated bytes, ``torch.cuda.max_memory_allocated``'s
+#: scale; add these to compare with what ``nvidia-smi`` shows.
+NOT_COUNTED = _report.NOT_COUNTED
 
 
 class SimulationReport:
@@ -241,6 +252,18 @@ def simulate(
 
     Raises ValueError before any step runs for a world size, rank, shard size, device,
     target or ``fsdp`` that cannot be used (DDP included), and after the floor step for a target below it.
+
+    Example::
+
+        import torch
+        from ac2_dist.simulate import simulate
+
+        Layer = torch.nn.TransformerEncoderLayer
+        report = simulate(lambda: torch.nn.Sequential(*[Layer(256, 4, 1024, batch_first=True) for _ in range(4)]),
+                          batch=lambda: torch.randn(8, 512, 256), blocks=[Layer], world_size=8,
+                          target="600MiB")   # rank 0 of 8, FSDP2 per layer: no AC, full AC, the target
+        print(report.format())
+        report.save_plan("plan.json")   # the job: MemoryBudget(peak="600MiB", plan="plan.json")
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"ac2_dist.simulate: world_size must be a positive int, got {world_size!r}")

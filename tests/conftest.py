@@ -23,14 +23,37 @@ def pytest_configure(config):
         "cuda: needs a CUDA device; skips without one (launch/gpu_check.py runs `-m cuda -rs` on a GPU, "
         "where a skip is a failure)",
     )
+    config.addinivalue_line("markers", "quick: the quick tier, a first check of the promises (tests/conftest.py QUICK)")
     if config.getoption("--simulate-cuda-initialised"):
         mp = pytest.MonkeyPatch()
         simulate(mp)
         config.add_cleanup(mp.undo)
 
 
+# The quick tier (``python -m pytest -m quick``, README "The tests"): a first check in a few
+# minutes on 2 cores of the three promises, each against eager and torch's checkpoint in the
+# same run: gradients bitwise (plain models, every policy; HF's own switch), never more
+# memory (a Hugging Face Llama and GPT-2 per layer, from the allocator), never a replayed
+# collective or FSDP2 all-gather (2 gloo ranks), and the README's main job under torchrun.
+# The whole suite is what CI runs.
+QUICK = (
+    "tests/test_models.py::test_grads_bitwise",
+    "tests/test_hf_models.py::test_per_layer_checkpointing_keeps_and_peaks_no_more_than_torch[llama]",
+    "tests/test_hf_models.py::test_per_layer_checkpointing_keeps_and_peaks_no_more_than_torch[gpt2]",
+    "tests/test_dist_side_effects.py::test_collectives_not_replayed_and_grads_bitwise",
+    "tests/test_fsdp.py::test_fsdp_grads_and_allgathers",
+    "tests/test_hf_integration.py::test_enable_matches_eager_bitwise_through_hf_switch",
+    "tests/test_launch.py::test_train_py_under_torchrun_writes_report[ac2-full]",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by marker
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` skip, with a reason, when no CUDA device is present."""
+    """Tests of the quick tier get the ``quick`` marker; tests marked ``cuda`` skip, with
+    a reason, when no CUDA device is present."""
+    for item in items:
+        if item.nodeid.startswith(QUICK) and (item.nodeid in QUICK or item.nodeid.split("[")[0] in QUICK):
+            item.add_marker(pytest.mark.quick)
     if HAS_CUDA_DEVICE:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run on a GPU by launch/gpu_check.py)")

@@ -153,6 +153,23 @@ def test_readme_setup_commands_are_what_ci_runs():
     assert any(line.startswith(main_job) for line in ci), "CI runs the README's main job"
 
 
+def test_the_quick_tier_is_what_the_readme_says():
+    """The README's quick tier selects every test conftest.QUICK names (none of them stale),
+    and CI runs and times it."""
+    from conftest import QUICK
+
+    readme = _bash_commands(README)
+    assert "python -m pytest -m quick -q" in readme
+    assert "python -m pytest -m quick -q" in _ci_lines()
+    proc = _hang.run([sys.executable, "-m", "pytest", "-m", "quick", "-q", "--collect-only", "-p", "no:cacheprovider"],
+                     cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    collected = [line for line in proc.stdout.splitlines() if "::" in line]
+    stale = [q for q in QUICK if not any(c == q or c.startswith(q + "[") for c in collected)]
+    assert not stale, f"tests/conftest.py QUICK names tests that do not exist: {stale}"
+    assert len(collected) >= len(QUICK)
+
+
 def test_readme_is_short():
     with open(README, encoding="utf-8") as f:
         n = sum(1 for _ in f)

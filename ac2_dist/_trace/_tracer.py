@@ -439,7 +439,7 @@ def _c_recorder() -> Any:
         slots = set(cls.__slots__) - {"__dict__", "__weakref__"}
         if slots != set(fields):
             raise ImportError(
-                f"ac2_dist: the built C recorder (ac2_dist/_crecord*.so) sets {cls.__name__} fields "
+                f"ac2_dist: the built C recorder (ac2_dist/_trace/_crecord*.so) sets {cls.__name__} fields "
                 f"{sorted(fields)} but the class has {sorted(slots)}: it was built from another "
                 "version of the sources. Rebuild it (pip install -e .), or set AC2_DIST_PURE_PYTHON=1."
             )

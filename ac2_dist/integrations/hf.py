@@ -120,6 +120,23 @@ def enable(
 
     Raises TypeError for a model that is not a ``PreTrainedModel`` or a bad option, and
     ValueError for a model without checkpointable layers or a bad ``every_n_layers``.
+
+    Each layer's region carries the layer's path in ``model`` (``model.layers.0``): what a
+    policy sees as ``ctx.module_fqn``, what memory reports list per module and what a
+    :class:`~ac2_dist.MemoryBudget` plans by.
+
+    Example::
+
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from ac2_dist.integrations import hf
+
+        config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4)
+        model = hf.enable(LlamaForCausalLM(config).train())   # every decoder layer checkpointed by ac2
+        ids = torch.randint(0, 256, (2, 32))
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert hf.is_enabled(model)
     """
     hf_model = _hf_model(model, "enable")
     unknown = sorted(set(region_options) - {"rng", "allow_cache_entry_mutation"})
