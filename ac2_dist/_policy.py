@@ -32,8 +32,9 @@ class SAVE_WITH_HOOKS:  # noqa: N801 - a public name, spelled as a policy's answ
         def policy(ctx, op, *args, **kwargs):
             return offload if op == torch.ops.aten.mm.default else "recompute"
 
-    ``unpack`` runs every time backward needs the value and must return a tensor with
-    the original's shape, dtype and device.
+    ``unpack`` runs when backward needs the value (once per saved use of it; a prefetch
+    ahead of backward runs it once for all of them) and must return a tensor with the
+    original's shape, dtype and device.
     """
 
     __slots__ = ("pack", "unpack")

@@ -102,10 +102,11 @@ class _Replaying:
     replay.py). A slotted object the tracer holds: a ``threading.local`` attribute
     lookup per recorded op costs several times a slot read."""
 
-    __slots__ = ("depth",)
+    __slots__ = ("depth", "graph")
 
     def __init__(self) -> None:
         self.depth = 0
+        self.graph: Any = None  # the graph whose replay runs now (the innermost; for tools)
 
 
 class _ThreadState(threading.local):

@@ -30,6 +30,22 @@ Note [One side stream per device]
     state), which for autograd's device threads is the process. A ``torch.cuda.Stream``
     passed as ``ReplayConfig(stream=...)`` is used as given. An ``Offload`` makes its
     own copy stream when it first copies and keeps it for the Offload's lifetime.
+
+Note [What side streams cost]
+    Memory, beside what inline replays hold, with the side stream and prefetch 1 (the CUDA
+    defaults), as the simulated timeline prices it (tests/_simtime.py, with the caching
+    allocator's model in _sim/_allocator.py; launch/bench_overlap.py prints it):
+
+    - the side stream's cuBLAS workspace (32 MiB on Hopper), once per device;
+    - its own allocator pool: a block the side stream freed serves only the side stream,
+      so the two pools' peaks add up, each rounded to its segments (20 MiB for blocks over
+      1 MiB, 2 MiB below);
+    - the prefetched unit's values and its replay's temporaries, alive while the current
+      unit's backward runs: what prefetching costs on any stream;
+    - nothing held by ``record_stream`` for the values handed to the compute stream (Note
+      [Tensors that cross streams] in replay.py): a hold lasts until the device reaches
+      the free, and in a GPU-bound backward the host queues far ahead, so every replayed
+      value stayed held and the side pool grew to all of them.
 """
 
 from __future__ import annotations

@@ -56,14 +56,32 @@ checks its order, lifetimes and values.
 #     a side-stream replay's when it reads the value (Note [Tensors that cross
 #     streams] in replay.py).
 #
+#     A ``with apply_ac_policy(...)`` block does not know its device when it opens
+#     (Note [The device comes from the tensors] in _device.py): its block starts with no
+#     streams, and the first CUDA value it offloads gives it CUDA's (``_device_streams``),
+#     so it takes the asynchronous path as a module's block does.
+#
 # Note [Pinned buffer pool]
 #     Pinning host memory costs milliseconds per allocation (``cudaHostAlloc``), which
-#     is what makes per-tensor pinned offload slow. The pool keeps released buffers by
-#     exact byte size and hands them out again; a buffer comes back with the event of
-#     the last copy that read it, and the copy stream waits for that event before
-#     writing into it again. After the first step a steady training loop allocates no
-#     pinned memory (``Offload.stats.buffers_allocated`` stops growing). The pool is
-#     the Offload's: ``Offload.empty_pool()`` drops the buffers it holds.
+#     is what makes per-tensor pinned offload slow. The pool keeps released buffers and
+#     hands them out again; a buffer comes back with the event of the last copy that read
+#     it, and the copy stream waits for that event before writing into it again. After
+#     the first step a steady training loop allocates no pinned memory
+#     (``Offload.stats.buffers_allocated`` stops growing). The pool is the Offload's:
+#     ``Offload.empty_pool()`` drops the buffers it holds.
+#
+#     Shapes vary in real training (packed or variable-length batches, the last partial
+#     batch), and page-locked memory is scarce, so the pool is bounded:
+#     - a request is served from a *size class*: its bytes rounded up to one of four
+#       steps between consecutive powers of two (at most 25 % more), so nearby sizes
+#       share buffers;
+#     - the pool never holds more than the most bytes that were ever in use at once
+#       (its own high-water mark, rounded sizes): before it makes a new buffer it drops
+#       free ones, the largest first, until the free and the used ones fit under that
+#       mark (``OffloadStats.buffers_dropped``). A dropped buffer goes back to torch's
+#       host allocator, which frees it once the copies reading it are done.
+#     Keyed by exact size (before), 12 steps at sequence lengths 24..35 held 216 buffers,
+#     10x the largest step's bytes, and grew with every new length.
 #
 # Note [Offloaded values that are written]
 #     A value is copied to the host one block after it was saved. If, before that, the
@@ -89,7 +107,7 @@ from typing import Any
 
 import torch
 
-from ._streams import StreamBackend
+from ._streams import StreamBackend, region_streams
 from ._trace._nodes import modified_error
 
 __all__ = ["Offload", "OffloadStats", "OffloadedTensor", "InlineCopies", "CudaCopies"]
@@ -105,7 +123,9 @@ class OffloadStats:
     """Counters of one :class:`Offload` (cumulative; read them between steps).
 
     ``buffers_allocated`` / ``bytes_allocated``: host buffers the pool created
-    (pinned on CUDA); ``buffers_reused``: buffers it handed out again; ``d2h_*`` /
+    (pinned on CUDA); ``buffers_reused``: buffers it handed out again;
+    ``buffers_dropped`` / ``bytes_dropped``: free buffers it let go to stay within the
+    most host bytes a step ever had in use at once; ``d2h_*`` /
     ``h2d_*``: copies issued and their bytes; ``units_committed``: blocks whose
     copies were waited for and device tensors freed; ``units_kept``: blocks backward
     read on the device (the last ones, never offloaded). Blocks that offloaded
@@ -115,6 +135,8 @@ class OffloadStats:
     buffers_allocated: int = 0
     bytes_allocated: int = 0
     buffers_reused: int = 0
+    buffers_dropped: int = 0
+    bytes_dropped: int = 0
     d2h_copies: int = 0
     d2h_bytes: int = 0
     h2d_copies: int = 0
@@ -136,36 +158,72 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _size_class(nbytes: int) -> int:
+    """The bytes of the buffer that serves a request of ``nbytes`` (Note [Pinned buffer
+    pool]): a multiple of 512, and above 4 KiB one of four steps between powers of two."""
+    if nbytes <= 4096:
+        return max(512, -(-nbytes // 512) * 512)
+    step = (1 << (nbytes - 1).bit_length()) // 8  # a quarter of the way from 2^(k-1) to 2^k
+    return -(-nbytes // step) * step
+
+
 class _Pool:
-    """Host buffers by exact byte size (Note [Pinned buffer pool])."""
+    """Host buffers by size class, bounded by the most bytes ever in use at once (Note
+    [Pinned buffer pool])."""
 
     def __init__(self, stats: OffloadStats) -> None:
         self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
         self._stats = stats
+        self._free_bytes = 0
+        self._in_use = 0
+        self._peak = 0  # the most bytes in use at once: the cap on what the pool holds
 
     def get(self, nbytes: int, engine: InlineCopies) -> tuple[torch.Tensor, Any]:
-        """A buffer of ``nbytes`` and the event of the last copy that read it (or None);
-        a new one from ``engine`` if none is free. Keyed by size alone: a pinned buffer
+        """A buffer of at least ``nbytes`` (its size class) and the event of the last copy
+        that read it (or None); a new one from ``engine`` if none is free. A pinned buffer
         serves an inline copy as well, and an unpinned one a CUDA copy (then
         synchronously); each Offload has one kind."""
-        free = self._free.get(nbytes)
+        size = _size_class(nbytes)
+        self._in_use += size
+        self._peak = max(self._peak, self._in_use)
+        free = self._free.get(size)
         if free:
             self._stats.buffers_reused += 1
+            self._free_bytes -= size
             return free.pop()
+        self._drop_until(self._peak - self._in_use)
         self._stats.buffers_allocated += 1
-        self._stats.bytes_allocated += nbytes
-        return engine.host_buffer(nbytes), None
+        self._stats.bytes_allocated += size
+        return engine.host_buffer(size), None
 
     def put(self, buf: torch.Tensor, event: Any) -> None:
-        self._free.setdefault(buf.numel(), []).append((buf, event))
+        size = buf.numel()
+        self._in_use -= size
+        self._free.setdefault(size, []).append((buf, event))
+        self._free_bytes += size
+
+    def _drop_until(self, room: int) -> None:
+        """Drop free buffers, the largest first, until they hold at most ``room`` bytes."""
+        for size in sorted(self._free, reverse=True):
+            bufs = self._free[size]
+            while bufs and self._free_bytes > room:
+                bufs.pop()
+                self._free_bytes -= size
+                self._stats.buffers_dropped += 1
+                self._stats.bytes_dropped += size
+            if not bufs:
+                del self._free[size]
+            if self._free_bytes <= room:
+                return
 
     def clear(self) -> None:
         self._free.clear()
+        self._free_bytes = 0
 
     def held(self) -> tuple[int, int]:
-        """(buffers, bytes) the pool holds now."""
+        """(buffers, bytes) the pool holds now (free ones)."""
         n = sum(len(v) for v in self._free.values())
-        return n, sum(k * len(v) for k, v in self._free.items())
+        return n, self._free_bytes
 
 
 class InlineCopies:
@@ -387,6 +445,8 @@ class OffloadUnit:
         if type(t) is not torch.Tensor or t.numel() == 0:
             return False
         streams = self.streams
+        if streams is None and self.engine is None:  # a block opened before its device was known
+            streams = self.streams = _device_streams(t)
         on_device = streams is not None and streams.on_device(t)
         if not (on_device or (t.device.type == "cpu" and self.owner.stream == "inline")):
             return False
@@ -567,6 +627,13 @@ class Offload:
     def _emit(self, event: str, fqn: str) -> None:
         if self.log is not None:
             self.log(event, fqn)
+
+
+def _device_streams(t: torch.Tensor) -> StreamBackend | None:
+    """The stream backend of ``t``'s device: CUDA's for a CUDA tensor, None for a CPU one
+    (a simulated CUDA installed on this thread answers for both: Note [Stream backends]
+    in _streams.py)."""
+    return region_streams(t.is_cuda)
 
 
 def _restore(defer: int, stream: str, log: Log | None) -> Offload:

@@ -59,16 +59,53 @@ ahead backward replays are prefetched.
 #       (``Graph._saved_value`` calls ``executor.guard_read``); on a value the side
 #       stream allocated itself that is a no-op.
 #     - Replays allocate on the side stream. A value handed to the consumer is waited
-#       for (the replay's ready event) and ``record_stream``-ed on the consumer
-#       (``hand_over``); everything else a replay makes is read and dropped on the side
-#       stream only. A host->device copy of an offloaded value is made on the stream
-#       that reads it (the side stream, in a prefetch).
+#       for (the replay's ready event); everything else a replay makes is read and
+#       dropped on the side stream only. A host->device copy of an offloaded value is
+#       made on the stream that reads it (the side stream, in a prefetch).
+#     - A value handed over is *not* ``record_stream``-ed on the consumer when the
+#       consumer is the stream the side stream waits for at the start of every replay
+#       (``side.wait_stream(consumer)``, the compute stream). Its block goes back to the
+#       side stream's pool when autograd drops it, after every kernel reading it was
+#       queued; the side stream allocates again only in a later replay, which first
+#       waits for the consumer -- so any reuse is ordered after those reads. With
+#       ``record_stream`` the block would be held until the consumer's *execution*
+#       reached the free, and the host, queuing ahead of the device, frees long before:
+#       in a GPU-bound backward every replayed value stayed held, and the side stream's
+#       pool grew to all of them (Note [What side streams cost] in _streams.py).
+#       A consumer that is another stream (a backward op autograd runs on the user's
+#       stream of its forward) still gets ``record_stream``.
 #     - The offload copy stream reads device tensors the compute stream allocated; its
 #       copies are waited for before those are freed, or the tensors are
 #       ``record_stream``-ed on it (offload.py).
 #
 #     The CPU test suite runs these paths under a simulated CUDA that fails a test on
 #     any unsynchronised cross-stream free (``tests/_simcuda.py``).
+#
+# Note [Nothing waits behind another unit]
+#     The point of the side stream is that unit i-1's replay runs while the compute
+#     stream is busy with unit i's backward. That holds only if nothing the compute
+#     stream waits on during unit i's backward is queued behind unit i-1's replay. The
+#     side stream is FIFO: an event recorded on it *now* covers everything queued on it
+#     so far, the next unit's prefetch included. So:
+#
+#     - a prefetch records one ready event per replay it runs, right after that replay,
+#       and parks it with the value (Note [A prefetch serves every use of a handle] in
+#       _graph_backward.py: every unpack of the unit is served from the prefetch);
+#     - a value that already exists when it is asked for (made by an earlier replay of
+#       the same graph, or a saved value) is handed over with the event of the replay
+#       that made it (``Graph.side_ready``, recorded before any later unit's prefetch was
+#       queued), never with a new event at the side stream's tail;
+#     - an unpack nobody prefetched (the first unit of backward, ``prefetch=0``, a read
+#       outside backward) replays inline on the consuming stream: a side stream would
+#       make the consumer wait at once for it, and for whatever else was queued there.
+#
+#     Priority: the side stream has the default priority, like the compute stream it
+#     feeds; FSDP2's all-gather and reduce-scatter streams are high priority so that
+#     communication is never starved by compute. A replay is compute that is not needed
+#     until the next unit's backward begins: at high priority its kernels would take
+#     the SMs ahead of the current backward's, which is on the critical path; at the
+#     default priority the two share the device and the all-gathers still go first.
+#     (CUDA has no priority below the default one.)
 #
 # Note [Replays save natively]
 #     A replay under ``create_graph=True`` is recorded by autograd, which saves
@@ -92,6 +129,7 @@ from torch.autograd.profiler import record_function
 
 from ._streams import StreamBackend
 from ._trace._graph import Graph
+from ._trace._graph_backward import _MISSING as _MISSING_VALUE
 from .offload import Offload
 
 _NULL = contextlib.nullcontext()
@@ -255,9 +293,10 @@ class InlineExecutor:
         return value
 
     def _realize(self, graph: Graph, node: Node, idx: int) -> Any:
-        state = self._state_of_thread()
+        replaying = self._state_of_thread().replaying
         create_graph = torch.is_grad_enabled()
-        state.replaying.depth += 1
+        replaying.depth += 1
+        outer, replaying.graph = replaying.graph, graph
         graph.create_graph = create_graph
         t0 = time.perf_counter()
         try:
@@ -268,7 +307,8 @@ class InlineExecutor:
                     return graph.realize(node, idx)
         finally:
             graph.stats.replay_seconds += time.perf_counter() - t0
-            state.replaying.depth -= 1
+            replaying.depth -= 1
+            replaying.graph = outer
 
     def run(self, node: Node, args: list, kwargs: dict, chain: RngChain | None = None) -> Any:
         """Run a recorded op; a random one on ``chain``, which Graph._advance brought to
@@ -290,24 +330,29 @@ class InlineExecutor:
 
 
 class SideStreamExecutor(InlineExecutor):
-    """Runs replays on a CUDA side stream: the one given, or the side stream of the
-    device and the thread that runs backward, made once and shared by every graph and
-    every step.
+    """Runs prefetched replays on a CUDA side stream: the one given, or the side stream of
+    the device and the thread that runs backward, made once and shared by every graph
+    and every step.
 
-    The side stream first waits for the consuming stream (replay inputs may have been
-    produced there); the consumer then waits on an event recorded after the replay.
-    Memory read across the two streams is guarded:
-    every saved value a replay reads is ``record_stream``-ed on the side stream and
-    every tensor handed over on the consumer, so the caching allocator reuses neither
-    before the stream reading it is done with it.
+    A prefetch waits for the consuming stream (replay inputs may have been produced
+    there), replays on the side stream and records the replay's ready event; the
+    consumer waits on that event only when it unpacks the value. A value that already
+    exists is handed over with the event of the replay that made it. An unpack nobody
+    prefetched replays inline, on the consuming stream. Memory read across the two
+    streams is guarded: every saved value a side-stream replay reads is
+    ``record_stream``-ed on the side stream and every tensor handed over on the
+    consumer, so the caching allocator reuses neither before the stream reading it is
+    done with it.
     """
 
-    takes_existing = False  # values are handed over with the side stream's event
+    # See Note [Nothing waits behind another unit].
+    takes_existing = False  # an existing value may have been made on the side stream
 
     def __init__(self, thread_state: Any, streams: StreamBackend, stream: Any = None) -> None:
         super().__init__(thread_state)
         self._streams = streams  # torch.cuda, or the test suite's simulation (_streams.py)
         self._stream = stream
+        self._waits_for: Any = None  # the stream every replay on the side stream waits for first
         self.guard_read = self._read_on_side
 
     def _read_on_side(self, value: Any) -> None:
@@ -322,22 +367,36 @@ class SideStreamExecutor(InlineExecutor):
         return self._stream
 
     def realize(self, graph: Graph, node: Node, idx: int) -> Any:
-        value, ready = self.prefetch(graph, node, idx)
-        return self.hand_over(value, ready)
+        """An unpack nobody prefetched: replayed inline on the consuming stream, after
+        any side-stream replay of this graph (whose values it may read)."""
+        if graph.side_ready is not None:
+            self._streams.current_stream().wait_event(graph.side_ready)
+        self.guard_read = None  # read on the stream that made it: nothing to guard
+        try:
+            return super().realize(graph, node, idx)
+        finally:
+            self.guard_read = self._read_on_side
 
     def prefetch(self, graph: Graph, node: Node, idx: int) -> tuple[Any, Any]:
+        value = graph._existing(node, idx)  # takes the use if it runs no op
+        if value is not _MISSING_VALUE:
+            return value, graph.side_ready  # made by an earlier replay of this graph, or saved
         streams = self._streams
         side = self._side()
-        side.wait_stream(streams.current_stream())
+        self._waits_for = consumer = streams.current_stream()
+        side.wait_stream(consumer)
         with streams.use(side), trace_range("ac2::replay"):
             value = self._realize(graph, node, idx)
-        return value, side.record_event()
+        graph.side_ready = ready = side.record_event()
+        return value, ready
 
     def hand_over(self, value: Any, ready: Any) -> Any:
         streams = self._streams
         consumer = streams.current_stream()
         if ready is not None:
             consumer.wait_event(ready)
-        if isinstance(value, torch.Tensor) and streams.on_device(value):
+        # See Note [Tensors that cross streams]: the stream every replay waits for first
+        # needs no record_stream (and its holds); any other consumer does.
+        if consumer is not self._waits_for and isinstance(value, torch.Tensor) and streams.on_device(value):
             streams.record_stream(value, consumer)
         return value

@@ -45,10 +45,15 @@ from ac2_dist._measure._alloc import AllocationTrace  # noqa: E402
 MODES = ["no-ac", "torch-full", "ac2-inline", "ac2-side-stream-prefetch"]
 SIDE = "ac2-side-prefetch"  # + depth
 ALL_MODES = ["no-ac", "torch-full", "ac2-inline", f"{SIDE}0", f"{SIDE}1", f"{SIDE}2"]
+# A save-matmuls policy on the side stream against inline, and inline once more: the two
+# inline runs' difference is the noise floor the side stream's gradients are judged by.
+SAVE_MM = "-save-mm"
+SAVE_MM_MODES = [f"ac2-inline{SAVE_MM}", f"{SIDE}1{SAVE_MM}", f"ac2-inline{SAVE_MM}-rerun"]
 
 
 def replay_config(mode: str, stream: Any = None) -> ac.ReplayConfig | None:
     """The ReplayConfig of an ac2 mode (``stream``: an explicit side stream, else "auto")."""
+    mode = mode.split(SAVE_MM)[0]
     if mode == "ac2-inline":
         return ac.ReplayConfig(stream="inline", prefetch=0)
     if mode == "ac2-side-stream-prefetch":
@@ -95,7 +100,8 @@ def build(args: argparse.Namespace, mode: str, mesh: Any, device: torch.device, 
         config = replay_config(mode, stream)
         if config is None:
             raise ValueError(f"bench_gpu: unknown mode {mode!r}; modes: {ALL_MODES} or ac2-side-stream-prefetch")
-        ac.apply_ac(model, "recompute_all", modules=[block_type(args)], replay=config)
+        policy = [torch.ops.aten.mm.default] if SAVE_MM in mode else "recompute_all"
+        ac.apply_ac(model, policy, modules=[block_type(args)], replay=config)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for blk in blocks:
@@ -145,17 +151,23 @@ def measure(args: argparse.Namespace, mode: str, mesh: Any, device: torch.device
         step()
     times = [step() for _ in range(args.iters)]
     model.zero_grad(set_to_none=True)
+    reserved = None
     if cuda:
         sync()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         step()
         peak = torch.cuda.max_memory_allocated() - base
+        # What the caching allocator holds from the device at the step's peak: per-stream
+        # pools, segment rounding, record_stream holds, a side stream's cuBLAS workspace
+        # (the process-wide figure: torch.cuda.max_memory_reserved).
+        reserved = torch.cuda.max_memory_reserved()
     else:
         with AllocationTrace() as trace:
             step()
         peak = trace.whole.peak_bytes
-    out: dict[str, Any] = {"backward_seconds_median": statistics.median(times), "peak_bytes": peak}
+    out: dict[str, Any] = {"backward_seconds_median": statistics.median(times), "peak_bytes": peak,
+                           "peak_reserved_bytes": reserved}
     if grads:
         out["grads"] = grad_sample(model)
     return out

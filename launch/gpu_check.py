@@ -1,8 +1,11 @@
 """One command for a GPU session: measure every GPU claim of ac2_dist, check what must hold.
 
-On the device machine (one GPU; the artefacts come back from ``$OUT``)::
+On the device machine (one GPU; the artefacts come back from ``$OUT``), through
+launch/gpu_run.sh (it installs the checkout and goes on from the checkout if that
+fails, sets the Hugging Face hub offline, and stops the run with SIGINT at its outer
+time limit, so the sections' ``finally`` blocks and this file's reports still run)::
 
-    pip install --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 timeout 480 python launch/gpu_check.py --out "$OUT"
+    bash launch/gpu_run.sh
 
 On CPU (CI, tests/test_gpu_check.py)::
 
@@ -32,9 +35,10 @@ TFLOP/s of bf16 matmul (40% of the dense peak) and ~20 GB/s each way over PCIe:
 - ``replay_scheduling``: 8 Llama blocks (d 4096, FFN 11008: 202 M parameters each,
   1.9 B with the 32000-token embedding and head), 2 x 4096 tokens. Forward
   2 x 1.9e9 x 8192 = 3.1e13 FLOPs + attention 8 x 4 x 2 x 4096^2 x 4096 = 4.4e12,
-  so ~3.5e13; a step with full recompute ~4.5 x that = 1.6e14 = 0.4 s. 6 modes x
-  (2 warm-up + 5 timed + 1 peak + 1 gradient) steps = 54 steps: 22 s, plus building
-  6 models (1.9 B fp32 parameters initialised on the GPU, FSDP2): ~15 s. ~40 s.
+  so ~3.5e13; a step with full recompute ~4.5 x that = 1.6e14 = 0.4 s. 9 modes (the
+  6 replay modes, and the save-matmuls policy inline, on the side stream, and inline
+  again) x (2 warm-up + 5 timed + 1 peak + 1 gradient) steps = 81 steps: 33 s, plus
+  building 9 models (1.9 B fp32 parameters initialised on the GPU, FSDP2): ~22 s. ~55 s.
 - ``overlap``: 1 model, 2 warm-up steps and one profiled backward: ~8 s.
 - ``offload``: 8 GPT blocks (d 2048: 50 M parameters each), 4 x 2048 tokens: a step
   ~3 x 2 x 0.4e9 x 8192 = 2e13 FLOPs = 0.05 s of compute; offloading moves ~3 GB each
@@ -48,8 +52,8 @@ TFLOP/s of bf16 matmul (40% of the dense peak) and ~20 GB/s each way over PCIe:
 - ``cuda_tests``: pytest starting and collecting (~20 s) + the CUDA tests (~20 s): ~40 s.
 - ``environment``: CUDA initialisation, ~2 s.
 
-Total ~230 s, under 4 minutes; the limits (``TIMEOUTS``) add up to 7 minutes, inside
-the ``timeout 480`` above. ``full_suite`` (on request) is not in the estimate.
+Total ~245 s, under 4.5 minutes; the limits (``TIMEOUTS``) add up to 7 minutes, inside
+launch/gpu_run.sh's outer limit of 480 s. ``full_suite`` (on request) is not in the estimate.
 
 Sections (``sections`` in the JSON, in this order; each has ``status`` -- ok, fail,
 error or "not run" with a ``reason`` -- ``seconds`` and ``checks``):
@@ -141,8 +145,8 @@ SECTION_NAMES = ["environment", "cuda_tests", "replay_scheduling", "overlap", "o
 DEFAULT_SECTIONS = SECTION_NAMES[:-1]  # full_suite only on request
 # Seconds each section may take: on one H100 at full size (~2x the docstring's estimate;
 # 420 in all), and for --smoke on a loaded CPU machine (CI).
-TIMEOUTS = {"environment": 20, "cuda_tests": 75, "replay_scheduling": 75, "overlap": 25, "offload": 40,
-            "memory_reports": 15, "eager_overhead": 60, "compile": 110, "full_suite": 1200}
+TIMEOUTS = {"environment": 20, "cuda_tests": 75, "replay_scheduling": 90, "overlap": 25, "offload": 40,
+            "memory_reports": 15, "eager_overhead": 60, "compile": 100, "full_suite": 1200}
 SMOKE_TIMEOUTS = {"environment": 60, "cuda_tests": 300, "replay_scheduling": 180, "overlap": 120, "offload": 180,
                   "memory_reports": 120, "eager_overhead": 180, "compile": 300, "full_suite": 1800}
 HEARTBEAT_S = 20.0  # a progress line at least this often
@@ -312,6 +316,12 @@ def run(args: argparse.Namespace, tee: Any = None) -> dict:
             try:
                 with _Watch(ctx, name, limit, stuck):
                     result = SECTIONS[name](ctx)
+            except KeyboardInterrupt:  # SIGINT: the device command's outer time limit (launch/gpu_run.sh)
+                finish(name, {"status": "error", "error": "interrupted (SIGINT: the run's outer time limit)"}, t0)
+                for later in names[i + 1:]:
+                    finish(later, {"status": NOT_RUN, "reason": f"the run was interrupted in {name}"}, t0)
+                ctx.progress(f"{name}: interrupted; the run ends here (exit 1), what it measured is written")
+                break
             except Exception as e:  # a section that raises (or ran past its limit) is reported, the others run
                 result = {"status": "error", "error": f"{type(e).__name__}: {e}",
                           "traceback": traceback.format_exc()[-6000:]}

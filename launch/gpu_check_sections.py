@@ -149,6 +149,7 @@ def environment(ctx: Context) -> dict:
         props = torch.cuda.get_device_properties(ctx.device)
         out["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
         out["multiprocessors"] = props.multi_processor_count
+        out.update(_fresh_stream_cost())
     try:
         import transformers
 
@@ -156,6 +157,26 @@ def environment(ctx: Context) -> dict:
     except ImportError:
         out["transformers"] = None
     return {"figures": out}
+
+
+def _fresh_stream_cost() -> dict:
+    """What a new stream's first matmul costs the allocator (its cuBLAS workspace: Note
+    [What side streams cost] in ac2_dist/_streams.py): allocated and reserved bytes beyond
+    the matmul's own output."""
+    torch.cuda.synchronize()
+    x = torch.randn(256, 256, device="cuda")
+    y = x @ x  # the current stream's workspace, if it had none yet
+    torch.cuda.synchronize()
+    a0, r0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        z = x @ x
+    torch.cuda.synchronize()
+    out = {"fresh_stream_allocated_bytes": torch.cuda.memory_allocated() - a0 - z.numel() * z.element_size(),
+           "fresh_stream_reserved_bytes": torch.cuda.memory_reserved() - r0}
+    del x, y, z, stream
+    return out
 
 
 def _pytest(ctx: Context, args: list[str], junit: str, timeout: float) -> tuple[int | None, str]:
@@ -245,7 +266,22 @@ def replay_scheduling(ctx: Context) -> dict:
         r["grad_rel_err_vs_no_ac"] = errors.get(m, 0.0)
         r["backward_vs_torch_full"] = r["backward_seconds_median"] / t["backward_seconds_median"]
         r["peak_vs_torch_full"] = r["peak_bytes"] / t["peak_bytes"]
+        if r.get("peak_reserved_bytes") is not None and t.get("peak_reserved_bytes"):
+            r["reserved_vs_torch_full"] = r["peak_reserved_bytes"] / t["peak_reserved_bytes"]
     checks = grads_ok(errors, "torch-full", 2e-2 if ctx.cuda else 1e-6)
+    # Save the matmuls: the side stream against inline, judged by inline's own run-to-run noise.
+    saved = {}
+    for mode in bench_gpu.SAVE_MM_MODES:
+        r = bench_gpu.measure(args, mode, mesh, ctx.device, grads=True)
+        ctx.free()
+        saved[mode] = r.pop("grads")
+        results[mode] = r
+    inline, side, rerun = (saved[m] for m in bench_gpu.SAVE_MM_MODES)
+    floor, side_err = rel_err(rerun, inline), rel_err(side, inline)
+    results[bench_gpu.SAVE_MM_MODES[1]]["grad_rel_err_vs_inline"] = side_err
+    results[bench_gpu.SAVE_MM_MODES[2]]["grad_rel_err_vs_inline"] = floor
+    checks.append(check("save-matmuls gradients: side stream vs inline within inline's rerun noise",
+                        side_err <= max(2 * floor, 1e-6), f"side {side_err:.2e}, rerun {floor:.2e}"))
     return {"config": vars(args), "figures": results, "checks": checks}
 
 

@@ -65,8 +65,11 @@ def test_smoke_run_has_every_section_and_writes_the_table(tmp_path):
     assert set(tests.values()) == {expected}
     replay = sections["replay_scheduling"]["figures"]
     assert set(replay) == {"no-ac", "torch-full", "ac2-inline", "ac2-side-prefetch0", "ac2-side-prefetch1",
-                           "ac2-side-prefetch2"}
+                           "ac2-side-prefetch2", "ac2-inline-save-mm", "ac2-side-prefetch1-save-mm",
+                           "ac2-inline-save-mm-rerun"}
     assert all(r["peak_bytes"] > 0 and r["backward_seconds_median"] > 0 for r in replay.values())
+    assert all("peak_reserved_bytes" in r for r in replay.values())  # None on CPU, the GPU's figure there
+    assert replay["ac2-side-prefetch1-save-mm"]["grad_rel_err_vs_inline"] == 0.0  # CPU: bitwise
     assert sections["overlap"]["figures"]["cpu_annotations"] > 0
     assert not has_offload or set(sections["offload"]["figures"]) == {"no-ac", "torch-save_on_cpu", "ac2-offload-all",
                                                    "ac2-offload-mm", "ac2-full"}
@@ -234,3 +237,32 @@ def test_a_section_stuck_past_its_limit_ends_the_run_with_its_stacks(tmp_path):
     log = (out / "gpu_check.log").read_text()
     assert "overlap is stuck" in log and "in stuck" in log  # every thread's stack, the stuck one's too
     assert "gpu_check:   gpu_check.json" in proc.stdout
+
+
+def test_the_device_command_goes_on_when_the_install_fails(tmp_path):
+    """launch/gpu_run.sh, the GPU session's command: a failed install is reported and the
+    run goes on from the checkout, with the hub offline and every artefact under $OUT."""
+    env = dict(os.environ, OUT=str(tmp_path), GPU_RUN_INSTALL="false",
+               GPU_RUN_ARGS="--device cpu --smoke --sections environment --timeout-scale 20")
+    env.pop("HF_HUB_OFFLINE", None)
+    proc = _hang.run(["bash", os.path.join(ROOT, "launch", "gpu_run.sh")], cwd=str(tmp_path), env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "gpu_run: the install failed (exit 1); running from the checkout" in proc.stdout
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert doc["sections"]["environment"]["status"] == "ok" and doc["exit_code"] == 0
+
+
+def test_an_interrupted_run_reports_where_it_stopped(tmp_path, monkeypatch):
+    """SIGINT (the device command's outer time limit) in a section: that section is an error,
+    the later ones are "not run", the JSON is written and the run exits 1."""
+    def interrupted(ctx):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(gpu_check.SECTIONS, "cuda_tests", interrupted)
+    rc = gpu_check.main(["--device", "cpu", "--smoke", "--sections", "environment,cuda_tests,overlap",
+                         "--out", str(tmp_path)])
+    assert rc == 1
+    sections = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
+    assert sections["environment"]["status"] == "ok"
+    assert sections["cuda_tests"]["status"] == "error" and "SIGINT" in sections["cuda_tests"]["error"]
+    assert sections["overlap"]["status"] == gpu_check.NOT_RUN

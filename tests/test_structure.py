@@ -298,6 +298,13 @@ def _sources() -> list[Path]:
     return [p for root in (PACKAGE, LAUNCH) for p in sorted(root.rglob("*")) if p.suffix in (".py", ".c")]
 
 
+def _test_tools() -> list[Path]:
+    """The test suite's tools (``tests/_*.py``: the simulated CUDA, its timeline), whose
+    Notes launch/'s benchmarks refer to; the test files are not scanned (their section
+    headings name the Notes they test)."""
+    return sorted((ROOT / "tests").glob("_*.py"))
+
+
 def _flat(text: str) -> str:
     """The file's lines joined, comment markers and indentation dropped: a reference
     wrapped over two comment lines reads as one."""
@@ -310,7 +317,7 @@ def _norm(name: str) -> str:
 
 def _notes() -> dict[Path, set[str]]:
     notes = {}
-    for p in _sources():
+    for p in _sources() + _test_tools():
         notes[p] = {_norm(m.group(1)) for line in p.read_text().splitlines() if (m := _DEFINITION.match(line))}
     return notes
 
@@ -326,7 +333,7 @@ def _references() -> list[tuple[Path, str, str | None]]:
 def _resolve(name: str) -> list[Path]:
     """The source files a reference's file name can mean (by path suffix)."""
     parts = Path(name).parts
-    return [p for p in _sources() if p.parts[-len(parts):] == parts]
+    return [p for p in _sources() + _test_tools() if p.parts[-len(parts):] == parts]
 
 
 def test_note_references_name_notes_in_their_files():

@@ -238,6 +238,13 @@ class Graph(_GraphBackward):
         self.fqn = ""
         self.log: Any = None
         self._parked: dict[int, int] = {}  # id(prefetched value) -> handles holding it
+        # id(handle) -> unpacks of this backward its parked value still serves (Note [A
+        # prefetch serves every use of a handle] in _graph_backward.py)
+        self._parked_uses: dict[int, int] = {}
+        # The event after the last replay a side-stream executor ran for this graph (None:
+        # none ran): what a value it made is ready on (Note [Nothing waits behind another
+        # unit] in replay.py).
+        self.side_ready: Any = None
         self.has_cuts = False  # Note [Nested modules cut the replay]: private replays happen
         # This region's block of an offload schedule (offload.OffloadUnit; set by the region
         # when its ReplayConfig has an Offload): where CPU-offloaded saves go.

@@ -128,6 +128,18 @@ class _GraphBackward(Replayer):
             node.values = None
         return v
 
+    def _release(self, node: Node, idx: int) -> None:
+        """Take one pending use of ``node[idx]`` without reading it (its value exists and a
+        parked copy serves that use): what :meth:`take` does to the counts, the saved
+        value's unpack hook, unshard and stream guard left out."""
+        uses, k = self.uses, node.seq + idx
+        if node.saved is not None and node.saved[idx] is not None:
+            uses[k] -= 1
+            if uses[k] <= 0 and node.held == 0 and node.op is not None:
+                self._free_saved(node, idx)
+            return
+        self.take(node, idx)  # a cached recomputed value: counts only, no op
+
     def _free_saved(self, node: Node, idx: int) -> None:
         """Drop a saved op output whose last pending reader (a replay) has it, unless this
         backward retains the graph or a private replay may still read it (Note [Saved
@@ -196,8 +208,12 @@ class _GraphBackward(Replayer):
                 self.settle()
             if h.prefetched is not None:
                 value, ready = h.prefetched, h.ready
-                h.prefetched = h.ready = None
-                self._unpark(value)
+                left = self._parked_uses.pop(id(h), 1) - 1
+                if left > 0:  # Note [A prefetch serves every use of a handle]
+                    self._parked_uses[id(h)] = left
+                else:
+                    h.prefetched = h.ready = None
+                    self._unpark(value)
                 return _remember(h, self.executor.hand_over(value, ready))
             task = torch._C._current_graph_task_id()
             if task < 0 or (h.consumed_task == task and h.taken >= h.count):
@@ -324,14 +340,33 @@ class _GraphBackward(Replayer):
                     continue
                 if h.consumed_task is not None and h.consumed_task != task:
                     self._new_epoch(task)
+                uses = h.count - (h.taken if h.consumed_task == task else 0)
                 value, ready = self.executor.prefetch(self, h.node, h.idx)
+                for _ in range(uses - 1):  # Note [A prefetch serves every use of a handle]
+                    self._release(h.node, h.idx)
                 h.prefetched, h.ready = value, ready
-                _took(h, task)  # the parked value is one unpack's use
+                for _ in range(uses):
+                    _took(h, task)  # the parked value serves each of these unpacks
+                if uses > 1:
+                    self._parked_uses[id(h)] = uses
                 self._park(value)
                 done += 1
         # A value this backward does not unpack (it stops early, or the graph belongs
         # to another loss's backward) stays parked for the backward that does.
         return done
+
+    # Note [A prefetch serves every use of a handle]
+    #     A handle stands for every save of one value (Note [One handle per saved value]
+    #     in _nodes.py: a weight, the normed input both MLP matmuls read, an rsqrt output),
+    #     and each save is one unpack. The prefetch takes all the uses this backward has
+    #     left on the handle and parks the value for each of them: every unpack of a
+    #     prefetched unit is served from what the prefetch made, handed over with that
+    #     value's own ready event. Parking one use (as before) sent the other unpacks to
+    #     the executor, which on a side stream ordered the consumer after the side
+    #     stream's tail -- by then the next unit's whole prefetched replay -- so the
+    #     compute stream waited for unit i-1's replay in the middle of unit i's backward.
+    #     The value was cached for those uses anyway (the graph's use counts keep it until
+    #     the last one): parking them holds nothing longer.
 
     def _park(self, value: Any) -> None:
         """Account a prefetched value once, however many handles hold it."""
@@ -353,7 +388,7 @@ class _GraphBackward(Replayer):
     def _new_epoch(self, task: int) -> None:
         """A new backward over a retained graph: every handle consumed by an earlier one
         gets the pending uses it took back (Note [One handle per saved value] in _nodes.py); a parked
-        prefetched value is still valid and serves one unpack of this backward."""
+        prefetched value is still valid and serves the unpacks it was parked for."""
         self.epoch += 1
         self.stats.backward_epochs += 1
         for chain in self.rng_chains:
@@ -361,9 +396,10 @@ class _GraphBackward(Replayer):
         for h in self.live_handles():
             if h.consumed_task is not None and h.consumed_task != task:
                 again = h.taken
-                if h.prefetched is not None:
-                    again -= 1
-                    h.consumed_task, h.taken = task, 1
+                if h.prefetched is not None:  # its parked uses serve this backward's unpacks
+                    parked = self._parked_uses.get(id(h), 1)
+                    again -= parked
+                    h.consumed_task, h.taken = task, parked
                 else:
                     h.consumed_task, h.taken = None, 0
                 for _ in range(again):
