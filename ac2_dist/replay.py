@@ -70,8 +70,8 @@ ahead backward replays are prefetched.
 #       waits for the consumer -- so any reuse is ordered after those reads. With
 #       ``record_stream`` the block would be held until the consumer's *execution*
 #       reached the free, and the host, queuing ahead of the device, frees long before:
-#       in a GPU-bound backward every replayed value stayed held, and the side stream's
-#       pool grew to all of them (Note [What side streams cost] in _streams.py).
+#       in a GPU-bound backward the held blocks made the side stream reserve more
+#       (Note [What side streams cost] in _streams.py).
 #       A consumer that is another stream (a backward op autograd runs on the user's
 #       stream of its forward) still gets ``record_stream``.
 #     - The offload copy stream reads device tensors the compute stream allocated; its

@@ -205,9 +205,9 @@ def test_what_side_streams_cost_in_memory(runs):
     holds beyond inline, the prefetched unit's values and its replay's temporaries (at most
     two blocks' no-AC activations). Reserved: the same, plus the granularity of the side
     stream's own pool (a 20 MiB segment for its large blocks, another for the rest).
-    Before the hand-over stopped using record_stream, every replayed value was held until
-    the compute stream's execution reached its free, and the side pool grew to all of
-    them (734 MiB over inline's 856 for 4 blocks of 1024 wide)."""
+    Before the hand-over stopped using record_stream, a replayed value was held until the
+    compute stream's execution reached its free (4 blocks of 1024 wide: 1590 MiB reserved
+    with the holds, 1366 without, 856 inline)."""
     f = _figures(runs, True)
     torch_, inline, side = f["torch checkpoint"], f["ac2 inline"], f["ac2 side, prefetch 1"]
     block = _block_activations(runs) / MiB
