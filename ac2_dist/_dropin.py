@@ -28,12 +28,13 @@ Note [torch's checkpoint arguments in ac2]
       are accepted and validated like torch: ac2 replays the recorded ops, so a
       recompute cannot differ from forward (nothing to check or to trace) and always
       stops as early as possible.
-    - ``respect_saved_tensors_hooks`` (torch >= 2.14; accepted on every torch):
-      ``None`` / ``False`` is torch's legacy behaviour, which is ac2's: the values a
-      region saves bypass saved-tensor hooks around the call (``save_on_cpu``). ``True``
-      asks that they go through those hooks; ac2 keeps its saved values itself, so with
-      such hooks in scope the call is refused with an error (use an ac2 CPU-offload
-      policy); with none in scope there is nothing to route and the call runs.
+    - Saved-tensor hooks around the call (``torch.autograd.graph.save_on_cpu``) see
+      what they see under torch's checkpoint: the call's positional tensor arguments,
+      packed when the region opens and unpacked when backward reads them (``save_on_cpu``
+      moves the block's input off the device). ``respect_saved_tensors_hooks`` (torch >=
+      2.14; accepted on every torch): ``None`` / ``False`` is torch's legacy behaviour,
+      under which the values the region saves bypass the hooks; ``True`` routes every
+      value the region saves through them too.
     - ``function`` omitted: the decorator form of torch >= 2.14
       (``checkpoint(use_reentrant=False)(fn)``, also on methods), on every torch.
 """
@@ -56,8 +57,7 @@ from torch.utils.checkpoint import (
 )
 
 from ._policy import PolicyLike, PolicySource
-from ._region import function_region, region_scope
-from ._trace._graph import Graph
+from ._region import function_region, region_scope, user_saved_tensors_hooks
 from .compile import (
     is_compiling,
 )
@@ -123,8 +123,9 @@ def checkpoint(
         preserve_rng_state: accepted (bool); either value regenerates random ops'
             bits in backward (``rng="replay"``: eager's gradients, nothing kept).
         early_stop: accepted (bool); ac2 always replays only what backward needs.
-        respect_saved_tensors_hooks: ``None``/``False``; ``True`` is refused inside
-            user saved-tensor hooks (ac2 keeps its saved values outside them).
+        respect_saved_tensors_hooks: ``None``/``False`` (the values the region saves
+            bypass saved-tensor hooks around the call; its positional tensor arguments go
+            through them) or ``True`` (the saved values go through them too).
         policy: an ac2 policy (any form :func:`ac2_dist.apply_ac` accepts); default
             ``"recompute_all"``.
         policy_factory: instead of ``policy``, a zero-argument callable called per call.
@@ -279,18 +280,6 @@ class _Checkpointed:
         return type(self)(get(instance, owner), bound=self.bound)
 
 
-def user_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
-    """The user's saved-tensor hooks (``save_on_cpu``, ...) a tensor saved now would go
-    through, or ``None``: torch's checkpoint-internal hooks are looked through as torch
-    does, and an enclosing ac2 region's own hooks are not the user's."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    while hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):
-        hooks = getattr(hooks[0], "_user_hooks", None)
-    if hooks is None or isinstance(getattr(hooks[0], "__self__", None), Graph):
-        return None
-    return hooks
-
-
 def check_flags(who: str, determinism_check: Any, debug: Any, early_stop: Any, preserve_rng_state: Any,
                 respect_saved_tensors_hooks: Any) -> None:
     """torch's checks of its checkpoint flags (ac2 has nothing to do for them: it
@@ -339,15 +328,6 @@ def _checkpoint(
     if use_reentrant:
         warnings.warn(_REENTRANT, UserWarning, stacklevel=stacklevel)  # the default filter: once per call site
     check_flags("ac2_dist.checkpoint", determinism_check, debug, early_stop, preserve_rng_state, respect_hooks)
-    user_hooks = user_saved_tensors_hooks() if respect_hooks and not is_compiling() else None
-    if user_hooks is not None:
-        raise RuntimeError(
-            "ac2_dist.checkpoint(respect_saved_tensors_hooks=True) inside saved-tensor hooks (e.g. "
-            f"torch.autograd.graph.save_on_cpu: {user_hooks[0]!r}): ac2 keeps the values a "
-            "region saves itself, outside those hooks, so it cannot route them through them. Pass "
-            "respect_saved_tensors_hooks=False (torch's legacy behaviour), or offload with an ac2 policy "
-            "(CheckpointPolicy.MUST_CPU_OFFLOAD / ac2_dist.Offload) instead of the hooks"
-        )
     if context_fn is noop_context_fn:
         context_fn = None
     if context_fn is not None and (policy is not None or policy_factory is not None):
@@ -363,20 +343,21 @@ def _checkpoint(
         if is_compiling():  # torch makes the pair when AOTAutograd builds the graph; so do we
             policy_factory = functools.partial(_policy_of_context_fn, context_fn)
         else:
-            return _with_context_fn(function, args, kwargs, context_fn, rng, allow_cache_entry_mutation)
+            return _with_context_fn(function, args, kwargs, context_fn, rng, allow_cache_entry_mutation,
+                                    respect_hooks is True)
     return function_region(function, args, kwargs, policy, policy_factory, rng, allow_cache_entry_mutation,
-                           "checkpoint", module_fqn)
+                           "checkpoint", module_fqn, respect_hooks is True)
 
 
-def _with_context_fn(function, args, kwargs, context_fn, rng, allow_mutation) -> Any:
+def _with_context_fn(function, args, kwargs, context_fn, rng, allow_mutation, respect_hooks) -> Any:
     """Note [torch's checkpoint arguments in ac2]: ``context_fn`` (eager)."""
-    with eager_scope(context_fn, None, None, rng, allow_mutation):
+    with eager_scope(context_fn, None, None, rng, allow_mutation, inputs=args, respect_hooks=respect_hooks):
         return function(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def eager_scope(context_fn: Any, policy: Any, policy_factory: Any, rng: str, allow_mutation: bool,
-                where: str = "checkpoint") -> Iterator[None]:
+                where: str = "checkpoint", inputs: tuple = (), respect_hooks: bool = False) -> Iterator[None]:
     """An eager ac2 region for one checkpoint call, as torch's arguments describe it:
     a selective-checkpoint ``context_fn`` gives the region its policy
     (``policy``/``policy_factory`` are then ignored), any other one's forward context is
@@ -394,7 +375,8 @@ def eager_scope(context_fn: Any, policy: Any, policy_factory: Any, rng: str, all
             policy, policy_factory, forward_ctx = forward_ctx.policy_fn, None, None
     source = PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow_mutation, module_fqn="",
                           where=where)
-    with region_scope(source), (forward_ctx if forward_ctx is not None else contextlib.nullcontext()):
+    with region_scope(source, None, inputs, respect_hooks), (
+            forward_ctx if forward_ctx is not None else contextlib.nullcontext()):
         yield
 
 

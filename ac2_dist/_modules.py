@@ -94,7 +94,7 @@ class _CheckpointedForward:
             return type(module).forward(module, *args, **kwargs)
         # Note [The device comes from the tensors] (_device.py)
         device = device_of(args, kwargs, module=module)
-        region = apply_ac_policy._from_frame(self.source.new_frame(), self.config, device=device)
+        region = apply_ac_policy._from_frame(self.source.new_frame(), self.config, device=device, inputs=args)
         with region:
             if previous is not None:
                 out = previous(*args, **kwargs)

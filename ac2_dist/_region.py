@@ -38,6 +38,25 @@ Note [No grad, no region]
     be differentiated. If grad mode is turned on again inside it, autograd saves
     what it needs as usual (not checkpointed). Checkpointed modules also skip the
     region when no input and no parameter requires grad.
+
+Note [The user's saved-tensor hooks]
+    Saved-tensor hooks around a region (``torch.autograd.graph.save_on_cpu``, a user's
+    compression) see what torch's non-reentrant checkpoint passes them:
+
+    - the call's positional tensor arguments, its inputs: torch saves them as autograd
+      saved tensors, so through the hooks. The recording region packs each when it
+      opens and holds only what the pack returned; backward and the replays read the
+      input through the unpack. ``save_on_cpu`` around checkpointed blocks thus moves
+      the block boundary off the device, as under torch. Keyword arguments,
+      parameters and other tensors the region reads are not inputs (torch's recompute
+      reads them again): held as before.
+    - with ``respect_saved_tensors_hooks=True`` (torch >= 2.14's opt-in for selective
+      checkpoint), also every op output the region saves (what torch's selective
+      checkpoint caches), packed when it is saved (``Graph.user_hooks``); a policy's
+      own ``SAVE_WITH_HOOKS`` or CPU-offload answer keeps its path.
+
+    Everything else ac2 keeps bypasses the hooks, as torch's legacy behaviour does. A
+    ``with apply_ac_policy(...)`` block has no call arguments: nothing is packed at entry.
 """
 
 from __future__ import annotations
@@ -186,20 +205,27 @@ class apply_ac_policy:  # noqa: N801 - a public name, used as a function (a cont
         self._replay = check_replay(replay)
         self._module_region = False  # a checkpointed module's region (Note [FSDP units are region boundaries])
         self._device: torch.device | None = None  # None: decided at exit (Note [The device comes from the tensors])
+        self._inputs: tuple = ()  # a call's positional arguments (Note [The user's saved-tensor hooks])
+        self._respect_hooks = False
         self.stats = GraphStats()
         self.graph: Graph | None = None  # the graph of the last outermost use that recorded
 
     @classmethod
     def _from_frame(cls, frame: _Frame, replay: ReplayConfig, module_region: bool = True,
-                    device: torch.device | None = None) -> apply_ac_policy:
+                    device: torch.device | None = None, inputs: tuple = (),
+                    respect_hooks: bool = False) -> apply_ac_policy:
         """A region for an already validated policy frame (no re-parse): a checkpointed
         module's, or (``module_region=False``) a function region's. ``device``: the one
-        its tensors are on, if known (Note [The device comes from the tensors])."""
+        its tensors are on, if known (Note [The device comes from the tensors]).
+        ``inputs``: the call's positional arguments, ``respect_hooks``: torch's
+        ``respect_saved_tensors_hooks=True`` (Note [The user's saved-tensor hooks])."""
         self = cls.__new__(cls)
         self._frame = frame
         self._replay = replay
         self._module_region = module_region
         self._device = device
+        self._inputs = inputs
+        self._respect_hooks = respect_hooks
         self.stats = GraphStats()
         self.graph = None
         return self
@@ -251,6 +277,14 @@ class apply_ac_policy:  # noqa: N801 - a public name, used as a function (a cont
         graph = Graph(self._replay.executor(_thread_state, streams), st.frames)
         graph.device = device
         graph.save_unit_outputs = not self._module_region
+        user = user_saved_tensors_hooks()  # before ours go on top
+        if user is not None:  # Note [The user's saved-tensor hooks]
+            if self._respect_hooks:
+                graph.user_hooks = SAVE_WITH_HOOKS(*user)
+            for t in self._inputs:
+                if isinstance(t, torch.Tensor) and graph.map.get(t) is None:
+                    graph.leaf(t, SAVE_WITH_HOOKS(*user), "boundary", self._frame.allow_mutation,
+                               "region input, packed by the saved-tensor hooks around the region")
         offload = self._replay.offload
         if offload is not None and offload.applies(device is None or streams is not None):  # Note [The offload schedule] (offload.py)
             graph.offload = offload.open_unit(self._frame.module_fqn, streams)
@@ -381,7 +415,8 @@ def apply_ac_policy_fn(
 
 
 def function_region(fn: Callable[..., T], args: tuple, kwargs: dict, policy: Any, policy_factory: Any,
-                    rng: str, allow_mutation: bool, where: str, module_fqn: str = "") -> T:
+                    rng: str, allow_mutation: bool, where: str, module_fqn: str = "",
+                    respect_hooks: bool = False) -> T:
     """``fn(*args, **kwargs)`` in a function region: eager, or inside ``torch.compile`` one
     checkpointed region of the compiled graph. ``module_fqn``: the module ``fn`` is the
     forward of, when the caller knows it (policies see it, reports and budgets key on it)."""
@@ -393,20 +428,36 @@ def function_region(fn: Callable[..., T], args: tuple, kwargs: dict, policy: Any
         return checkpoint_compiled(fn, context_fn, *args, **kwargs)
     source = PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow_mutation, module_fqn=module_fqn,
                           where=where)
-    return eager_region(fn, source, args, kwargs)
+    return eager_region(fn, source, args, kwargs, respect_hooks)
 
 
-def eager_region(fn: Callable[..., T], source: PolicySource, args: tuple, kwargs: dict) -> T:
+def eager_region(fn: Callable[..., T], source: PolicySource, args: tuple, kwargs: dict,
+                 respect_hooks: bool = False) -> T:
     """``fn(*args, **kwargs)`` in an eager function region (a fresh frame from ``source``)."""
-    with region_scope(source, device_of(args, kwargs)):
+    with region_scope(source, device_of(args, kwargs), args, respect_hooks):
         return fn(*args, **kwargs)
 
 
-def region_scope(source: PolicySource, device: torch.device | None = None) -> apply_ac_policy:
+def region_scope(source: PolicySource, device: torch.device | None = None, inputs: tuple = (),
+                 respect_hooks: bool = False) -> apply_ac_policy:
     """An eager function region (a fresh frame from ``source``) as a context manager;
-    ``device``: its tensors' device if known, else decided when it exits."""
+    ``device``: its tensors' device if known, else decided when it exits; ``inputs``:
+    the call's positional arguments (Note [The user's saved-tensor hooks])."""
     # See Note [The device comes from the tensors] in _device.py.
-    return apply_ac_policy._from_frame(source.new_frame(), check_replay(None), module_region=False, device=device)
+    return apply_ac_policy._from_frame(source.new_frame(), check_replay(None), module_region=False, device=device,
+                                       inputs=inputs, respect_hooks=respect_hooks)
+
+
+def user_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
+    """The user's saved-tensor hooks (``save_on_cpu``, ...) a tensor saved now would go
+    through, or ``None``: torch's checkpoint-internal hooks are looked through as torch
+    does, and an enclosing ac2 region's own hooks are not the user's."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    while hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):
+        hooks = getattr(hooks[0], "_user_hooks", None)
+    if hooks is None or isinstance(getattr(hooks[1], "__self__", None), Graph):  # ours: graph.unpack
+        return None
+    return hooks
 
 
 def is_checkpoint_enabled() -> bool:

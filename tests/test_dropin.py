@@ -416,9 +416,9 @@ def test_checkpoint_without_a_function_is_a_decorator():
 
 
 def test_respect_saved_tensors_hooks():
-    """``None``/``False`` inside ``save_on_cpu``: ac2's region (its saved values bypass the
-    hooks, torch's legacy behaviour); ``True`` there: refused, naming what to do; ``True``
-    with no user hooks in scope (none, or only an enclosing ac2 region's): runs."""
+    """Every setting inside ``save_on_cpu`` runs with eager's gradients (what the hooks see:
+    tests/test_user_hooks.py); ``True`` with no user hooks in scope (none, or only an
+    enclosing ac2 region's) runs too; a value that is not a bool is refused."""
     block = _block(0.3)
     x = torch.randn(8, 16, requires_grad=True)
     eager = _grads(block, x, lambda: block(x))
@@ -427,10 +427,8 @@ def test_respect_saved_tensors_hooks():
         with torch.autograd.graph.save_on_cpu():
             return ac.checkpoint(block, x, use_reentrant=False, respect_saved_tensors_hooks=respect)
 
-    for respect in (None, False):
+    for respect in (None, False, True):
         assert_bitwise(eager, _grads(block, x, lambda r=respect: inside_hooks(r)))
-    with pytest.raises(RuntimeError, match="respect_saved_tensors_hooks=True.*save_on_cpu.*MUST_CPU_OFFLOAD"):
-        inside_hooks(True)
     assert not ac.is_checkpoint_enabled()
     assert_bitwise(eager, _grads(block, x, lambda: ac.checkpoint(block, x, respect_saved_tensors_hooks=True)))
 

@@ -354,7 +354,10 @@ def test_offloaded_values_in_host_memory_are_not_device_bytes():
     # The same values without the schedule (a region copies nothing on CPU): all device bytes.
     plain = run(None)
     assert plain.saved_host_bytes == 0
-    assert kept.saved_bytes + kept.saved_host_bytes == plain.saved_bytes, (kept, plain)
+    # What left the device is in host buffers of the pool's size classes (Note [Pinned
+    # buffer pool] in offload.py: at most a quarter more than asked, in 512-byte steps).
+    moved = plain.saved_bytes - kept.saved_bytes
+    assert moved <= kept.saved_host_bytes <= 1.25 * moved, (kept, plain)
     table = ac.memory.format_table([kept])
     assert "saved in host memory" in table and "in host memory)" in table
     assert ac.memory.RankReport.from_dict(kept.to_dict()) == kept

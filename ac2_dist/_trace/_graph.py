@@ -245,6 +245,10 @@ class Graph(_GraphBackward):
         # none ran): what a value it made is ready on (Note [Nothing waits behind another
         # unit] in replay.py).
         self.side_ready: Any = None
+        # The user's saved-tensor hooks around the region, as a SAVE_WITH_HOOKS, under
+        # respect_saved_tensors_hooks=True: the op outputs the region saves go through them
+        # (Note [The user's saved-tensor hooks] in _region.py). None: they do not.
+        self.user_hooks: Any = None
         self.has_cuts = False  # Note [Nested modules cut the replay]: private replays happen
         # This region's block of an offload schedule (offload.OffloadUnit; set by the region
         # when its ReplayConfig has an Offload): where CPU-offloaded saves go.
@@ -459,7 +463,7 @@ class Graph(_GraphBackward):
         owner = f"{reason} region input" if node.op is None else f"{reason} output of {node.op}"
         node.set_saved(
             idx, Saved(t, decision, reason=reason, allow_mutation=allow, keep_identity=keep, owner=owner,
-                       offload=self.offload)
+                       offload=self.offload, user_hooks=self.user_hooks if node.op is not None else None)
         )
         if self.held is not None:
             self.held.add(node)

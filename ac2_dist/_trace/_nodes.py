@@ -75,7 +75,12 @@ class Saved:
         version: int | None = None,
         counter: torch.Tensor | None = None,
         offload: Any = None,
+        user_hooks: SAVE_WITH_HOOKS | None = None,
+        history: bool = True,
     ) -> None:
+        if user_hooks is not None and type(decision) is not SAVE_WITH_HOOKS and decision is not _MUST_OFFLOAD \
+                and decision is not _PREFER_OFFLOAD:
+            decision = user_hooks  # Note [The user's saved-tensor hooks] in _region.py
         self.reason = reason
         self.allow_mutation = allow_mutation
         self.owner = owner
@@ -90,9 +95,11 @@ class Saved:
         # ``value`` is an offload.OffloadedTensor: the block's offload schedule holds it
         # (Note [The offload schedule] in offload.py; ``offload`` is the region's block).
         self.offloaded = False
-        # The stored value has no autograd history although the original may have had
-        # one: it cannot serve a create_graph=True backward.
-        self.detached = (not keep_identity or isinstance(decision, SAVE_WITH_HOOKS)) and (
+        # The stored value has no autograd history although the original had one: it
+        # cannot serve a create_graph=True backward. One that never had any (``history``
+        # False: made with grad mode off, or from inputs none of which requires grad)
+        # serves it as eager's constant does.
+        self.detached = (not keep_identity or isinstance(decision, SAVE_WITH_HOOKS)) and history and (
             t.is_floating_point() or t.is_complex()
         )
         if isinstance(decision, SAVE_WITH_HOOKS):

@@ -90,9 +90,16 @@ Note [Dynamo inside a region]
     dynamo traces a region anyway (a mode active while tracing), ops pass through.
 
 Note [What inference mode records]
-    Ops run under ``torch.inference_mode()`` inside a region are not recorded:
-    nothing computed there can be differentiated. Their outputs (inference tensors,
-    which have no version counter) become region inputs if a later op reads them.
+    Nothing computed under ``torch.inference_mode()`` inside a region can be
+    differentiated, but a later op of the region may read what it made (``x + t`` with
+    ``t`` drawn there): torch's checkpoint makes it again in its recompute and keeps
+    nothing of it, so an op run there is recorded as a recomputable node -- a constant
+    the region makes, replayed if a replay needs it -- its outputs mapped with no
+    version (inference tensors have no version counter). A random one joins its
+    generator's chain under ``rng="replay"``. Left unrecorded, as before: a random op
+    under ``rng="save"`` and an op that writes, or that takes a tensor subclass or a
+    higher-order operator (its outputs become region inputs, held, if a later op reads
+    them).
 """
 
 from __future__ import annotations
@@ -120,6 +127,18 @@ from ._writes import literal, overwritten, write_aliases
 _CP = torch.utils.checkpoint.CheckpointPolicy
 _Tensor = torch.Tensor
 _inference_mode = torch.is_inference_mode_enabled
+_grad_enabled = torch.is_grad_enabled
+
+
+def _any_requires_grad(values: Any) -> bool:
+    """Some tensor among ``values`` (or in a list or tuple of them) requires grad."""
+    for a in values:
+        if isinstance(a, _Tensor):
+            if a.requires_grad:
+                return True
+        elif type(a) in (list, tuple) and any(isinstance(b, _Tensor) and b.requires_grad for b in a):
+            return True
+    return False
 _weakref = weakref.ref
 # Enum members as module constants: ``_CP.MUST_RECOMPUTE`` is a class attribute lookup
 # through the enum's metaclass, ~5x a global's cost, once per recorded op.
@@ -177,9 +196,7 @@ class Tracer(_GeneralPath, TorchDispatchMode):
         if self.replaying.depth or _COMPILER._is_compiling_flag:  # Note [Dynamo inside a region]
             return func(*args, **kwargs)
         if _inference_mode():  # Note [What inference mode records]
-            if (_INFO.get(id(func)) or op_info(func)).is_rng:
-                self.graph.open_chains.clear()  # an unrecorded draw: chains restart after it
-            return func(*args, **kwargs)
+            return self._inference_op(func, types, args, kwargs)
         info = _INFO.get(id(func)) or op_info(func)
         frames = self.frames
         if info.plain and not types and not kwargs and len(frames) == 1:  # Note [The plain-op path]
@@ -364,6 +381,10 @@ class Tracer(_GeneralPath, TorchDispatchMode):
             graph.stats.saved_nodes += 1
             keep_base = not info.returns_alias
             counter = alias(src) if src is not None and view_version is not None else None
+            # Whether autograd gives the outputs a history (it does so after this mode
+            # returns: their requires_grad is not set yet here).
+            history = _grad_enabled() and (_any_requires_grad(args) or bool(kwargs)
+                                           and _any_requires_grad(kwargs.values()))
             for i, o in enumerate(flat):
                 if isinstance(o, _Tensor):
                     keep = keep_base and not (o.is_floating_point() or o.is_complex())
@@ -375,7 +396,8 @@ class Tracer(_GeneralPath, TorchDispatchMode):
                         i,
                         Saved(o, decision, reason=reason, allow_mutation=inner.allow_mutation,
                               keep_identity=keep, owner=info.owner, version=version,
-                              counter=counter, offload=graph.offload),
+                              counter=counter, offload=graph.offload, user_hooks=graph.user_hooks,
+                              history=history),
                     )
             graph.held.pending.append(_weakref(node))  # Note [Held values are found by storage] (_writes.py)
 
@@ -421,6 +443,34 @@ class Tracer(_GeneralPath, TorchDispatchMode):
             graph.observer(node, func, args, kwargs, out)
         return out
 
+    def _inference_op(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+        """An op under ``torch.inference_mode()`` (Note [What inference mode records])."""
+        info = _INFO.get(id(func)) or op_info(func)
+        inner = self.frames[-1]
+        random = info.is_rng and info.is_random(args, kwargs)
+        if types or info.higher_order or (info.written and info.writes(args)) or info.side_effect is not _NONE \
+                and not random or (random and inner.rng != "replay"):
+            if info.is_rng:
+                self.graph.open_chains.clear()  # an unrecorded draw: chains restart after it
+            return func(*args, **kwargs)
+        graph = self.graph
+        rng = None
+        if random:
+            gen = info.generator(args, kwargs) or default_generator(_rng_device(args, kwargs))
+            rng = graph.rng_chain(gen)  # Note [One generator state per region] (_graph.py)
+        out = func(*args, **kwargs)
+        flat = (out,) if isinstance(out, _Tensor) else flatten_outputs(out)
+        if not all(o is None or isinstance(o, _Tensor) for o in flat):
+            graph.open_chains.clear()
+            return out
+        node = self._recomputable(graph, func, info, args, kwargs, len(flat), inner, shape_only=info.shape_only)
+        if rng is not None:
+            node.rng = (rng.index, len(rng.nodes))
+            rng.nodes.append(node)
+        for i, o in enumerate(flat):
+            if isinstance(o, _Tensor):
+                graph.map.set(o, node, i, version_of(o))
+        return out
 
 
 def _c_recorder() -> Any:

@@ -79,7 +79,7 @@ class _GeneralPath:
             if isinstance(o, _Tensor):
                 node.set_saved(i, Saved(o, decision, reason="policy", allow_mutation=inner.allow_mutation,
                                         keep_identity=False, owner=f"output of {func}",
-                                        offload=graph.offload))
+                                        offload=graph.offload, user_hooks=graph.user_hooks))
                 graph.map.set(o, node, i, version_of(o))
         graph.held.add(node)  # Note [Held values are found by storage] (_writes.py)
         returned = {id(o) for o in flat}

@@ -97,11 +97,6 @@ if TYPE_CHECKING:
 _Tensor = torch.Tensor
 _AS_STRIDED = torch.ops.aten.as_strided.default
 _LIFT_FRESH = (torch.ops.aten.lift_fresh.default,)
-#: The largest literal remembered by value (bytes): an index list, a routing table of a
-#: few experts, a scalar. Larger ones are kept as tensors (region inputs).
-LITERAL_MAX_BYTES = 4096
-
-
 def storage_key(t: torch.Tensor) -> int | None:
     """An identity of ``t``'s storage (its StorageImpl's address, stable while any tensor
     on it lives), or None for tensors without one (wrapper subclasses, sparse)."""
@@ -274,13 +269,15 @@ def is_literal(node: Node, idx: int) -> bool:
 
 def literal(func: Any, args: tuple) -> torch.Tensor | None:
     """The tensor ``func`` lifts if it is a literal Python made (``aten.lift_fresh`` of a
-    tensor the map does not know) small enough to remember by value, else None."""
+    tensor the map does not know), to remember by value (any size: torch's recompute
+    makes it again from what the program's code keeps, and so does a replay from its
+    bytes, outside the device allocator), else None."""
     if func not in _LIFT_FRESH or not args:
         return None
     t = args[0]
     if (
         not isinstance(t, _Tensor) or t.device.type != "cpu" or not _plain_strided(t) or t.requires_grad
-        or t._base is not None or not t.is_contiguous() or t.nbytes > LITERAL_MAX_BYTES
+        or t._base is not None or not t.is_contiguous()
     ):
         return None
     return t

@@ -51,13 +51,10 @@ policy, or with the selective-checkpoint policy a framework passes as ``context_
 #     reentrant with a warning); through way 3 it reaches torch's reentrant path, which
 #     only ``reentrant=True`` routes.
 #
-#     ``respect_saved_tensors_hooks=True`` (torch >= 2.14: route what selective checkpoint
-#     saves through the saved-tensor hooks around the call, e.g. ``save_on_cpu``) with
-#     such hooks in scope runs torch's checkpoint for that call, with a warning (once per
-#     call site, Python's default filter): ac2 keeps its saved values itself, outside
-#     those hooks, so it would keep on the device what torch moves away. With ``None`` /
-#     ``False``, or no user hooks in scope, the call is ac2's (torch's legacy behaviour:
-#     saved values bypass the hooks).
+#     Saved-tensor hooks around a routed call (``save_on_cpu``) see what they see under
+#     torch: the call's positional tensor arguments, and with
+#     ``respect_saved_tensors_hooks=True`` (torch >= 2.14) the values the region saves
+#     (Note [The user's saved-tensor hooks] in _region.py).
 #
 #     Note [The switch checks that torch still calls its seams]
 #         Way 3 depends on torch's code calling the generator by its module name; torch
@@ -105,7 +102,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _tuc
 
-from .._dropin import check_flags, eager_scope, user_saved_tensors_hooks
+from .._dropin import check_flags, eager_scope
 from .._policy import PolicyLike, PolicySource
 from ..compile import is_ac2_context_fn, is_compiling
 
@@ -381,13 +378,11 @@ def _routed_checkpoint(function: Any = None, *args: Any, use_reentrant: bool | N
     respect = kwargs.get("respect_saved_tensors_hooks") if _HAS_RESPECT_HOOKS else None
     if respect is not None and use_reentrant:
         return torchs()  # torch refuses the option with reentrant checkpoint
-    if respect is True and user_saved_tensors_hooks() is not None:
-        return torchs()  # torch's checkpoint calls the routed generator, which warns and stays torch's
     preserve = kwargs.pop("preserve_rng_state", True)
     if _HAS_RESPECT_HOOKS:
         kwargs.pop("respect_saved_tensors_hooks", None)
     _check_flags(determinism_check, debug, early_stop, preserve, respect)
-    with _scope(options, context_fn):
+    with _scope(options, context_fn, args, respect is True):
         return function(*args, **kwargs)
 
 
@@ -401,7 +396,7 @@ def _routed_generator(function: Any, preserve_rng_state: bool, context_fn: Any, 
                                     early_stop, *args, **kwargs)
         return
     _check_flags(determinism_check, debug, early_stop, preserve_rng_state)
-    with _scope(options, context_fn):
+    with _scope(options, context_fn, args):
         yield
 
 
@@ -413,14 +408,13 @@ def _routed_generator_impl(function: Any, args: tuple, kwargs: dict, *, preserve
     ``yield``: the forward runs there), with an ac2 region around the forward when the
     switch is on."""
     options = _route(False)
-    if (options is None or is_compiling() or is_ac2_context_fn(context_fn) or _tracing(args)
-            or (respect_saved_tensors_hooks is True and _user_hooks_in_scope())):
+    if options is None or is_compiling() or is_ac2_context_fn(context_fn) or _tracing(args):
         yield from _TORCH_GENERATOR_IMPL(function, args, kwargs, preserve_rng_state=preserve_rng_state,
                                          context_fn=context_fn, determinism_check=determinism_check, debug=debug,
                                          early_stop=early_stop, respect_saved_tensors_hooks=respect_saved_tensors_hooks)
         return
     _check_flags(determinism_check, debug, early_stop, preserve_rng_state, respect_saved_tensors_hooks)
-    with _scope(options, context_fn):
+    with _scope(options, context_fn, args, respect_saved_tensors_hooks is True):
         yield
 
 
@@ -434,35 +428,20 @@ class _RoutedCheckpointFunction:
         options = _route(True)
         if options is None or is_compiling() or _tracing(args):
             return _TORCH_CHECKPOINT_FUNCTION.apply(function, preserve_rng_state, *args)
-        with _scope(options, None):
+        with _scope(options, None, args):
             return function(*args)
 
 
-def _scope(options: _Options, context_fn: Any) -> contextlib.AbstractContextManager:
+def _scope(options: _Options, context_fn: Any, inputs: tuple = (),
+           respect_hooks: bool = False) -> contextlib.AbstractContextManager:
     return eager_scope(context_fn, options.policy, options.policy_factory, options.rng,
-                       options.allow_cache_entry_mutation, where="integrations.torch_checkpoint")
+                       options.allow_cache_entry_mutation, where="integrations.torch_checkpoint",
+                       inputs=inputs, respect_hooks=respect_hooks)
 
 
 def _check_flags(determinism_check: Any, debug: Any, early_stop: Any, preserve: Any, respect: Any = None) -> None:
     """torch's argument checks (ac2 has nothing to do for these flags)."""
     check_flags("torch.utils.checkpoint (ac2 switch)", determinism_check, debug, early_stop, preserve, respect)
-
-
-def _user_hooks_in_scope() -> bool:
-    """Saved-tensor hooks of the user's (e.g. ``save_on_cpu``) apply to a tensor saved
-    right now (``_dropin.user_saved_tensors_hooks``); warns when they do: the call stays
-    torch's (Note [Where the switch reaches torch's checkpoint])."""
-    if user_saved_tensors_hooks() is None:
-        return False
-    warnings.warn(
-        "ac2_dist.integrations.torch_checkpoint: a checkpoint call with respect_saved_tensors_hooks=True "
-        "inside saved_tensors_hooks (e.g. save_on_cpu) runs torch's checkpoint: ac2 keeps the values it "
-        "saves outside those hooks. Pass respect_saved_tensors_hooks=False to run it with ac2, or use an "
-        "ac2 CPU-offload policy instead of the hooks",
-        UserWarning,
-        stacklevel=4,
-    )
-    return True
 
 
 def _tracing(args: tuple) -> bool:
