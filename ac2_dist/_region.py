@@ -68,6 +68,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ._compat import MUST_CPU_OFFLOAD
 from ._device import device_of, recorded_device
 from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, PolicySource, _Frame, is_save
 from ._streams import region_streams
@@ -288,6 +289,11 @@ class apply_ac_policy:  # noqa: N801 - a public name, used as a function (a cont
         offload = self._replay.offload
         if offload is not None and offload.applies(device is None or streams is not None):  # Note [The offload schedule] (offload.py)
             graph.offload = offload.open_unit(self._frame.module_fqn, streams)
+            if offload.block_inputs:  # Note [Offloaded block inputs] (offload.py)
+                for t in self._inputs:
+                    if offload.is_block_input(t) and graph.map.get(t) is None and graph.offload.takes(t):
+                        graph.leaf(t, MUST_CPU_OFFLOAD, "boundary", self._frame.allow_mutation,
+                                   "block input (offloaded to the CPU)")
         if st.tracker is not None:
             graph.tracker = st.tracker
             st.tracker._add_graph(graph)

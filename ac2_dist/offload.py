@@ -7,6 +7,8 @@ by the checkpointed blocks (outermost regions) that use it: device->host copies 
 pinned buffers from a pool on a side stream during forward, the wait for a block's
 copies deferred by ``defer`` blocks, and host->device copies issued ahead of the
 backward that needs them by the replay prefetch (``ReplayConfig(prefetch=k)``).
+``Offload(block_inputs=True)`` also moves each block's inputs -- the hidden states every
+policy keeps, the long-context boundary -- on the same schedule.
 
 It is the schedule of the systems ac2 is compared with: TransformerEngine / Megatron's
 CPU offload (copies on a side stream, the wait for layer i deferred to a later layer,
@@ -61,28 +63,6 @@ checks its order, lifetimes and values.
 #     streams, and the first CUDA value it offloads gives it CUDA's (``_device_streams``),
 #     so it takes the asynchronous path as a module's block does.
 #
-# Note [Pinned buffer pool]
-#     Pinning host memory costs milliseconds per allocation (``cudaHostAlloc``), which
-#     is what makes per-tensor pinned offload slow. The pool keeps released buffers and
-#     hands them out again; a buffer comes back with the event of the last copy that read
-#     it, and the copy stream waits for that event before writing into it again. After
-#     the first step a steady training loop allocates no pinned memory
-#     (``Offload.stats.buffers_allocated`` stops growing). The pool is the Offload's:
-#     ``Offload.empty_pool()`` drops the buffers it holds.
-#
-#     Shapes vary in real training (packed or variable-length batches, the last partial
-#     batch), and page-locked memory is scarce, so the pool is bounded:
-#     - a request is served from a *size class*: its bytes rounded up to one of four
-#       steps between consecutive powers of two (at most 25 % more), so nearby sizes
-#       share buffers;
-#     - the pool never holds more than the most bytes that were ever in use at once
-#       (its own high-water mark, rounded sizes): before it makes a new buffer it drops
-#       free ones, the largest first, until the free and the used ones fit under that
-#       mark (``OffloadStats.buffers_dropped``). A dropped buffer goes back to torch's
-#       host allocator, which frees it once the copies reading it are done.
-#     Keyed by exact size (before), 12 steps at sequence lengths 24..35 held 216 buffers,
-#     10x the largest step's bytes, and grew with every new length.
-#
 # Note [Offloaded values that are written]
 #     A value is copied to the host one block after it was saved. If, before that, the
 #     region writes it in place while a replay still needs the value from before the
@@ -95,6 +75,35 @@ checks its order, lifetimes and values.
 #     has ``allow_cache_entry_mutation=True``. Once a block's copies were waited for,
 #     the host copy is the value as saved and later writes to the device tensor do not
 #     reach it.
+#
+# Note [One copy back per backward]
+#     A value is read in backward by each of its unpacks and by each replay that starts
+#     from it (a block input: the norm's two saves and its replay read it five times in
+#     a Llama block under "recompute_all"). Each read copying it back would move the
+#     bytes over the link that many times and hold as many device copies. So the first
+#     read's host->device copy is kept on the record (``OffloadedTensor.fetched``) and
+#     serves the later reads until the graph's use counts say this backward's last
+#     reader has it (``_GraphBackward._last_use``); then the record lets it go (a
+#     retained graph's next backward copies it back again). 4 Llama blocks, block
+#     inputs offloaded, no prefetch: 15 copies back before, 3 after.
+#
+# Note [Offloaded block inputs]
+#     Every policy keeps a block's inputs: the hidden states passed from block to block
+#     are what backward's replay starts from. At long context they are most of what
+#     checkpointing leaves on the device (a Llama-3-8B-sized model at 131072 tokens: 32
+#     blocks x 131072 x 4096 x 2 bytes = 32 GiB). ``Offload(block_inputs=True)`` moves
+#     them off the device as torch's ``save_on_cpu`` around torch's checkpoint does, but
+#     on this schedule: when a block's region opens, each of the call's positional
+#     tensor arguments that requires grad (not a parameter; a mask or position ids does
+#     not) becomes an offloaded value of that block, recorded before any op reads it. It
+#     is copied when the next block opens, its device tensor dropped when the wait for
+#     the copies comes (a block's input then lives on the device only while that block
+#     and the next ``defer`` run forward), and it is brought back by the prefetch
+#     before the block's backward, or when its first reader unpacks it. The last block's
+#     input is read on the device, as every kept block's values are. Its copy has no
+#     autograd history: a ``create_graph=True`` backward through such a block is refused
+#     (an error names the input) -- under torch the unpack re-attaches the history,
+#     which Python cannot do for ac2's copy.
 
 from __future__ import annotations
 
@@ -107,6 +116,7 @@ from typing import Any
 
 import torch
 
+from ._offload_copies import CudaCopies, InlineCopies, _Pool
 from ._streams import StreamBackend, region_streams
 from ._trace._nodes import modified_error
 
@@ -158,148 +168,6 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _size_class(nbytes: int) -> int:
-    """The bytes of the buffer that serves a request of ``nbytes`` (Note [Pinned buffer
-    pool]): a multiple of 512, and above 4 KiB one of four steps between powers of two."""
-    if nbytes <= 4096:
-        return max(512, -(-nbytes // 512) * 512)
-    step = (1 << (nbytes - 1).bit_length()) // 8  # a quarter of the way from 2^(k-1) to 2^k
-    return -(-nbytes // step) * step
-
-
-class _Pool:
-    """Host buffers by size class, bounded by the most bytes ever in use at once (Note
-    [Pinned buffer pool])."""
-
-    def __init__(self, stats: OffloadStats) -> None:
-        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
-        self._stats = stats
-        self._free_bytes = 0
-        self._in_use = 0
-        self._peak = 0  # the most bytes in use at once: the cap on what the pool holds
-
-    def get(self, nbytes: int, engine: InlineCopies) -> tuple[torch.Tensor, Any]:
-        """A buffer of at least ``nbytes`` (its size class) and the event of the last copy
-        that read it (or None); a new one from ``engine`` if none is free. A pinned buffer
-        serves an inline copy as well, and an unpinned one a CUDA copy (then
-        synchronously); each Offload has one kind."""
-        size = _size_class(nbytes)
-        self._in_use += size
-        self._peak = max(self._peak, self._in_use)
-        free = self._free.get(size)
-        if free:
-            self._stats.buffers_reused += 1
-            self._free_bytes -= size
-            return free.pop()
-        self._drop_until(self._peak - self._in_use)
-        self._stats.buffers_allocated += 1
-        self._stats.bytes_allocated += size
-        return engine.host_buffer(size), None
-
-    def put(self, buf: torch.Tensor, event: Any) -> None:
-        size = buf.numel()
-        self._in_use -= size
-        self._free.setdefault(size, []).append((buf, event))
-        self._free_bytes += size
-
-    def _drop_until(self, room: int) -> None:
-        """Drop free buffers, the largest first, until they hold at most ``room`` bytes."""
-        for size in sorted(self._free, reverse=True):
-            bufs = self._free[size]
-            while bufs and self._free_bytes > room:
-                bufs.pop()
-                self._free_bytes -= size
-                self._stats.buffers_dropped += 1
-                self._stats.bytes_dropped += size
-            if not bufs:
-                del self._free[size]
-            if self._free_bytes <= room:
-                return
-
-    def clear(self) -> None:
-        self._free.clear()
-        self._free_bytes = 0
-
-    def held(self) -> tuple[int, int]:
-        """(buffers, bytes) the pool holds now (free ones)."""
-        n = sum(len(v) for v in self._free.values())
-        return n, self._free_bytes
-
-
-class InlineCopies:
-    """Copies on the calling thread, in program order: CPU "device" tensors (the
-    schedule under test on CPU). No events: every copy is done when it returns."""
-
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        """A new host buffer of ``nbytes`` for the pool."""
-        # See Note [Pinned buffer pool].
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def issue(self, records: list[OffloadedTensor]) -> Any:
-        """Copy ``records`` to their host buffers; returns the event marking the end."""
-        for r in records:
-            r.host.copy_(r.device)
-        return None
-
-    def writer_waits(self, event: Any) -> None:
-        """The compute stream waits for ``event`` (copies it must not overtake)."""
-
-    def guard(self, t: torch.Tensor) -> None:
-        """``t`` may be freed before the compute stream waited for the copy reading it
-        (a kept block, a graph that died first): its memory waits for the copy stream."""
-
-    def to_device(self, r: OffloadedTensor) -> tuple[torch.Tensor, Any]:
-        """A device tensor holding ``r``'s host copy, and the event after the copy."""
-        out = torch.empty_strided(r.shape, r.stride, dtype=r.dtype, device=r.device_of)
-        out.copy_(r.host)
-        return out, None
-
-
-class CudaCopies(InlineCopies):
-    """Device->host copies on a CUDA side stream (``stream=None``: the current stream,
-    i.e. ``Offload(stream="inline")`` for CUDA tensors), into pinned buffers;
-    host->device copies on the stream that reads the value (the replay side stream
-    when prefetched). ``streams``: torch.cuda, or the test suite's simulated CUDA."""
-
-    def __init__(self, streams: StreamBackend, stream: Any = None) -> None:
-        self._streams = streams
-        self._stream = stream
-
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return self._streams.host_buffer(nbytes)
-
-    def _copy_stream(self) -> Any:
-        return self._stream if self._stream is not None else self._streams.current_stream()
-
-    def issue(self, records: list[OffloadedTensor]) -> Any:
-        side = self._copy_stream()
-        current = self._streams.current_stream()
-        if side != current:
-            side.wait_stream(current)  # the values were produced on the compute stream
-        with self._streams.use(side):
-            for r in records:
-                if r.reuse_after is not None:  # the buffer's last reader (Note [Pinned buffer pool])
-                    side.wait_event(r.reuse_after)
-                    r.reuse_after = None
-                r.host.copy_(r.device, non_blocking=True)
-            return side.record_event()
-
-    def guard(self, t: torch.Tensor) -> None:
-        # Only where needed: record_stream delays the reuse of a freed block until the
-        # allocator sees the copy done, which would hold committed blocks' memory longer.
-        if self._stream is not None and self._stream != self._streams.current_stream():
-            self._streams.record_stream(t, self._stream)
-
-    def writer_waits(self, event: Any) -> None:
-        if event is not None:
-            self._streams.current_stream().wait_event(event)
-
-    def to_device(self, r: OffloadedTensor) -> tuple[torch.Tensor, Any]:
-        out = torch.empty_strided(r.shape, r.stride, dtype=r.dtype, device=r.device_of)
-        out.copy_(r.host, non_blocking=True)
-        return out, self._streams.current_stream().record_event()
-
-
 class OffloadedTensor:
     """One offloaded value: its device tensor until its block is committed, then its
     host copy. What ``Saved`` holds instead of a tensor."""
@@ -308,7 +176,7 @@ class OffloadedTensor:
 
     __slots__ = (
         "unit", "device", "counter", "version", "allow_mutation", "owner", "host", "buf", "reuse_after",
-        "last_read", "shape", "stride", "dtype", "device_of", "nbytes", "copied", "stale", "__weakref__",
+        "last_read", "shape", "stride", "dtype", "device_of", "nbytes", "copied", "stale", "fetched", "__weakref__",
     )
 
     def __init__(self, unit: OffloadUnit, t: torch.Tensor, *, version: int | None, counter: torch.Tensor | None,
@@ -328,6 +196,7 @@ class OffloadedTensor:
         self.last_read: Any = None  # event after the last host->device copy
         self.copied = False
         self.stale: str | None = None  # why the value is gone (Note [Offloaded values that are written])
+        self.fetched: torch.Tensor | None = None  # this backward's copy back (Note [One copy back per backward])
 
     # ---- forward --------------------------------------------------------------
     def _take_buffer(self, pool: _Pool, engine: InlineCopies) -> None:
@@ -381,12 +250,15 @@ class OffloadedTensor:
                     return self.device
             if self.stale is not None:
                 raise RuntimeError(self.stale)
+            if self.fetched is not None:  # Note [One copy back per backward]
+                return self.fetched
             if self.host is None:
                 raise RuntimeError(
                     f"ac2_dist internal error: the offloaded {self.owner} has neither a device tensor "
                     "nor a host copy"
                 )
             out, self.last_read = unit.engine.to_device(self)
+            self.fetched = out
             owner.stats.h2d_copies += 1
             owner.stats.h2d_bytes += self.nbytes
             owner._emit("h2d", unit.fqn)
@@ -398,7 +270,7 @@ class OffloadedTensor:
 
     def release_host(self, event: Any) -> None:
         """Give the host buffer back to the pool."""
-        # See Note [Pinned buffer pool].
+        # See Note [Pinned buffer pool] in _offload_copies.py.
         buf = self.buf
         if buf is None:
             return
@@ -531,6 +403,16 @@ class Offload:
             reference, nothing to offload them to),
             ``"inline"`` (copies on the current stream; CPU tensors too, into ordinary
             host buffers: the schedule's CPU test mode) or a ``torch.cuda.Stream``.
+        block_inputs: also offload each block's inputs -- the positional tensor arguments
+            of a checkpointed module's call (or of ``checkpoint(fn, *args)``) that require
+            grad, the hidden states passed from block to block, which every policy keeps.
+            At long context they are what checkpointing leaves on the device; with this
+            they cost host memory and a copy each way, on the schedule above: a block's
+            input is on the device while it and the next ``defer`` blocks run forward,
+            and comes back before its backward (by the replay prefetch, or when backward
+            first reads it). Parameters and inputs that do not require grad (masks,
+            position ids) stay. A ``create_graph=True`` backward through a block whose
+            input was offloaded raises (the copy has no autograd history).
         log: called as ``log(event, block_fqn)`` for ``open`` / ``close`` (a block's
             region entered / exited), ``d2h`` (a block's copies issued),
             ``wait`` (the compute stream waits for them), ``free_device`` (its device
@@ -542,7 +424,8 @@ class Offload:
     the same depth), or at unpack without one.
     """
 
-    def __init__(self, defer: int = 1, *, stream: Any = "auto", log: Log | None = None) -> None:
+    def __init__(self, defer: int = 1, *, stream: Any = "auto", block_inputs: bool = False,
+                 log: Log | None = None) -> None:
         if isinstance(defer, bool) or not isinstance(defer, int) or defer < 1:
             raise ValueError(
                 f"ac2_dist.Offload: defer must be an int >= 1 (the wait for block i's copies happens when "
@@ -550,8 +433,11 @@ class Offload:
             )
         if not (stream in ("auto", "inline") or _is_stream(stream)):
             raise ValueError(f"ac2_dist.Offload: stream must be 'auto', 'inline' or a torch.cuda.Stream, got {stream!r}")
+        if not isinstance(block_inputs, bool):
+            raise ValueError(f"ac2_dist.Offload: block_inputs must be a bool, got {block_inputs!r}")
         self.defer = defer
         self.stream = stream
+        self.block_inputs = block_inputs
         self.log = log
         self.stats = OffloadStats()
         self._lock = threading.RLock()
@@ -561,12 +447,22 @@ class Offload:
         self._engines: dict[StreamBackend | None, InlineCopies] = {}  # per stream backend; None: CPU
 
     def __repr__(self) -> str:
-        return f"ac2_dist.Offload(defer={self.defer}, stream={self.stream!r})"
+        inputs = ", block_inputs=True" if self.block_inputs else ""
+        return f"ac2_dist.Offload(defer={self.defer}, stream={self.stream!r}{inputs})"
 
     def __reduce__(self) -> tuple:
         # The schedule's state (pool, streams, open blocks) belongs to this process.
         stream = self.stream if isinstance(self.stream, str) else "auto"
-        return (_restore, (self.defer, stream, self.log))
+        return (_restore, (self.defer, stream, self.log, self.block_inputs))
+
+    @staticmethod
+    def is_block_input(t: Any) -> bool:
+        """Whether a positional argument of a block's call is a block input that
+        ``block_inputs=True`` offloads: a non-empty tensor that requires grad and is not
+        a parameter."""
+        # See Note [Offloaded block inputs].
+        return (isinstance(t, torch.Tensor) and t.requires_grad and not isinstance(t, torch.nn.Parameter)
+                and t.numel() > 0)
 
     def applies(self, on_cuda: bool) -> bool:
         """Whether a region should open a block of this schedule."""
@@ -636,8 +532,8 @@ def _device_streams(t: torch.Tensor) -> StreamBackend | None:
     return region_streams(t.is_cuda)
 
 
-def _restore(defer: int, stream: str, log: Log | None) -> Offload:
-    return Offload(defer, stream=stream, log=log)
+def _restore(defer: int, stream: str, log: Log | None, block_inputs: bool = False) -> Offload:
+    return Offload(defer, stream=stream, log=log, block_inputs=block_inputs)
 
 
 def _is_stream(s: Any) -> bool:

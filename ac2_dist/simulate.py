@@ -34,12 +34,17 @@ from ._sim._run import _Recorder, _Run, _Spec, run_mode
 from ._sim._world import ddp_refused, fake_world, per_block_shard
 from ._sizes import human_bytes, parse_size
 
-__all__ = ["DEVICES", "NOT_COUNTED", "ModeReport", "SimulationReport", "simulate"]
+__all__ = ["DEVICES", "HOST_LINKS", "NOT_COUNTED", "ModeReport", "SimulationReport", "simulate"]
 
 #: The named devices whose rates price recompute (``device=`` here, ``--device`` on the
 #: command line), each name with its 16-bit and 32-bit dense matmul FLOP/s and its memory
 #: bytes/s, from the vendors' datasheets (SXM parts; fp32 without TF32, torch's default).
 DEVICES = _report.DEVICES
+
+#: Host <-> device bytes/s (one direction) of the named devices' host link, which
+#: block-input offload (``Offload(block_inputs=True)``) is priced at: PCIe Gen5 x16 for
+#: H100/H200, Gen4 for A100, as pinned copies achieve it.
+HOST_LINKS = _report.HOST_LINKS
 
 #: What the simulation does not count, each a pair of what and its typical size on a
 #: GPU. The report's figures are allocated bytes, ``torch.cuda.max_memory_allocated``'s
@@ -56,13 +61,14 @@ class SimulationReport:
     """
 
     def __init__(self, spec: _Spec, world_size: int, rank: int, device: str, modes: list[ModeReport],
-                 floor: _Run | None) -> None:
+                 floor: _Run | None, host_link: float = 50e9) -> None:
         self.world_size = world_size
         self.rank = rank
         self.device = device
         self.modes = modes
         self._spec = spec
         self._floor = floor
+        self._link = host_link
         self._plan: dict[str, Any] | None = None
 
     def mode(self, name: str) -> ModeReport:
@@ -117,6 +123,7 @@ class SimulationReport:
                 run = run_mode(self._spec, _Recorder(self._spec.rates, plans))
             report.peak_bytes, report.breakdown, report.when = run.peak, run.breakdown, run.when
             report.kept_bytes = {fqns[k]: v for k, v in run.kept.items()}
+            _boundary(report, run, floor, self._spec.rates, self._link)
         meta = {"target": nbytes, "predicted_peak": predicted, "step_start": origin,
                 "world_size": self.world_size, "rank": self.rank,
                 "device": self.device, "torch": torch.__version__}
@@ -183,6 +190,23 @@ def _report(name: str, run: _Run) -> ModeReport:
                       kept_bytes={run.fqns[k]: v for k, v in run.kept.items()})
 
 
+def _boundary(r: ModeReport, run: _Run, floor: _Run | None, rates: tuple[float, float], link: float) -> None:
+    """Fill in ``r``'s block-input offload figures from its step (Note [The boundary
+    offloaded, counted from the same step] in _sim/_meter.py), priced at ``link``
+    bytes/s and the device's FLOP rate."""
+    if not run.inputs:
+        return
+    last = len(run.fqns) - 1
+    r.boundary_bytes = sum(v for k, v in run.inputs.items() if k != last)
+    r.offload_peak_bytes, r.offload_when = run.off_peak, run.off_when
+    r.boundary_copy_seconds = max(run.inputs.values()) / link
+    if floor is not None:
+        flops = [sum(rec.flops for rec in floor.problems[floor.structure[f]].records.values())
+                 for f in floor.fqns if floor.structure.get(f) in floor.problems]
+        if flops:
+            r.block_backward_seconds = 2 * min(flops) / rates[0]
+
+
 def _rates(device: str | tuple[float, float], dtype: torch.dtype) -> tuple[float, float]:
     if isinstance(device, tuple):
         if len(device) != 2 or not all(isinstance(v, (int, float)) and v > 0 for v in device):
@@ -224,6 +248,7 @@ def simulate(
     target: int | str | None = None,
     device: str | tuple[float, float] = "h100",
     dtype: torch.dtype = torch.float32,
+    host_link: float | None = None,
 ) -> SimulationReport:
     """Simulate one training step of rank ``rank`` of a ``world_size``-rank job.
 
@@ -249,6 +274,15 @@ def simulate(
         device: a named device (a key of ``DEVICES``) or ``(FLOP/s, bytes/s)``: the rates
             recompute is priced with.
         dtype: the dtype the model computes in (picks the device's FLOP rate).
+        host_link: host <-> device bytes/s, one direction, that block-input offload
+            is priced at (default: the named device's in ``HOST_LINKS``; 50 GB/s for
+            ``(FLOP/s, bytes/s)``).
+
+    Every checkpointed mode also reports the same step with its block inputs offloaded
+    (``Offload(block_inputs=True)``: every block's input but the last's in host memory
+    between its block's forward and backward, on the offload schedule with the CUDA
+    prefetch of one block): the bytes moved, that step's peak, and one input's copy
+    time against a block's backward, the window the prefetch hides it in.
 
     Raises ValueError before any step runs for a world size, rank, shard size, device,
     target or ``fsdp`` that cannot be used (DDP included), and after the floor step for a target below it.
@@ -282,6 +316,10 @@ def simulate(
     if fsdp is not None and fsdp != "per-block" and not callable(fsdp):
         raise ValueError(f"ac2_dist.simulate: fsdp must be 'per-block', a function or None, got {fsdp!r}")
     rates = _rates(device, dtype)
+    if host_link is not None and (isinstance(host_link, bool) or not isinstance(host_link, (int, float))
+                                  or host_link <= 0):
+        raise ValueError(f"ac2_dist.simulate: host_link must be a positive number of bytes/s, got {host_link!r}")
+    link = float(host_link) if host_link is not None else HOST_LINKS.get(str(device).lower(), 50e9)
     nbytes = parse_size(target, "target") if target is not None else None
     wanted = list(modes)
     for m in wanted:
@@ -306,9 +344,10 @@ def simulate(
             r = _report(_mode_name(m), run)
             if m != "none" and floor is not None:
                 r.recompute_flops, r.recompute_seconds = _recompute(floor, None if m == "full" else list(m))
+                _boundary(r, run, floor, rates, link)
             reports.append(r)
     report = SimulationReport(spec, world_size, rank, device if isinstance(device, str) else "custom", reports,
-                              floor)
+                              floor, link)
     if nbytes is not None:
         report.plan(target)  # type: ignore[arg-type]
     return report

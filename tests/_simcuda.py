@@ -284,6 +284,10 @@ class SimCuda(_streams.StreamBackend):
         self.violations: list[list[str]] = []  # one list of lines per violation (reuse appends)
         self._tls = threading.local()
         self._reported = 0  # violations check() raised for already
+        # Device bytes of the blocks alive (as device_bytes() counts them) and their peak
+        # since reset_peak(): kept as blocks come and go.
+        self.device_now = 0
+        self.device_peak = 0
         self._closed = False
         self._stack = contextlib.ExitStack()
 
@@ -334,6 +338,23 @@ class SimCuda(_streams.StreamBackend):
                     "CUDA raises (only device memory belongs to the caching allocator)"])
                 return
             block.recorded.add(stream.id)
+
+    def reset_peak(self) -> None:
+        """Start ``device_peak`` over from the device bytes alive now."""
+        with self._lock:
+            self.device_peak = self.device_now
+
+    def _grew(self, block: _Block) -> None:
+        self.device_now += block.nbytes
+        if self.device_now > self.device_peak:
+            self.device_peak = self.device_now
+
+    def device_bytes(self) -> int:
+        """Bytes of the device blocks alive now: every live storage the simulation has seen
+        (one made before it counts from its first use), host buffers and ``resize_(0)``-ed
+        storages left out. A measure of the program's tensors, not of ac2's reports."""
+        with self._lock:
+            return sum(b.nbytes for b in self.blocks.values() if not b.host and not b.freed)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         self._tls.host_alloc = True  # what the empty below makes is host memory
@@ -426,6 +447,7 @@ class SimCuda(_streams.StreamBackend):
             # stream that first uses it
             stream = self.current_stream()
             block = self._track(storage, stream, "a tensor made outside the simulation's view", None)
+            self._grew(block)
         return block
 
     def _track(self, storage: Any, stream: SimStream, what: str, write: tuple | None,
@@ -444,6 +466,7 @@ class SimCuda(_streams.StreamBackend):
             return block
         self._reuse(stream, k, name)
         block = self._track(storage, stream, name, (stream.id, k, name), nbytes)
+        self._grew(block)
         if self.trace is not None:
             self.trace.blocks += 1
             block.tid = self.trace.blocks
@@ -518,6 +541,7 @@ class SimCuda(_streams.StreamBackend):
             holds = tuple(self._trace_event(self.streams[s]) for s in sorted(block.recorded) if s != block.stream.id)
             self._trace("free", block.tid, holds)
         self.stats.frees += 1
+        self.device_now -= block.nbytes
         a = block.stream
         others = {sid: use for sid, use in block.uses.items() if sid != a.id and sid != _HOST}
         if not others:

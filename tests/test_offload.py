@@ -416,7 +416,7 @@ def _offload_mm(ctx, op, *args, **kwargs):
 
 
 def test_size_classes():
-    from ac2_dist.offload import _size_class
+    from ac2_dist._offload_copies import _size_class
 
     assert [_size_class(n) for n in (1, 512, 513, 4096)] == [512, 512, 1024, 4096]
     assert [_size_class(n) for n in (4097, 5120, 5121, 8192, 8193)] == [5120, 5120, 6144, 8192, 10240]

@@ -138,7 +138,9 @@ def test_gc_tracked_objects_per_recorded_op(policy, recorder):
     # The C recorder leaves its plain nodes, their inputs tuples and the handles' weak
     # references off the collector's lists (Note [Plain records are not tracked by the
     # collector] in _crecord.c): the handles are what is left (0.5 per op); a saved mul
-    # is recorded in Python and keeps its Saved and tensor too.
+    # is recorded in Python and keeps its Saved and tensor too, and its recipe (its
+    # inputs tuple: Note [A saved value keeps its recipe] in _history.py; one more per
+    # saved op, 2.5 -> 3.0 per op here, 4.0 -> 4.5 on the Python recorder).
     from ac2_dist._trace import _tracer
 
     if recorder == "c" and _tracer.C_DISPATCH is None:
@@ -159,7 +161,7 @@ def test_gc_tracked_objects_per_recorded_op(policy, recorder):
         gc.collect()
         per_op = (len(gc.get_objects()) - before) / n
         del out
-    limits = {"python": (3.1, 4.1), "c": (0.6, 2.6)}[recorder]
+    limits = {"python": (3.1, 4.6), "c": (0.6, 3.1)}[recorder]
     limit = limits[0] if policy == "recompute_all" else limits[1]
     assert per_op <= limit, per_op
 

@@ -218,6 +218,57 @@ def test_recompute_is_priced_at_the_devices_rates():
     assert h100.recompute_seconds >= h100.recompute_flops / DEVICES["h100"][1]  # fp32: no TF32
 
 
+def test_block_input_offload_saves_what_a_run_on_the_simulated_cuda_saves():
+    """The same step with ``Offload(block_inputs=True)`` (Note [The boundary offloaded,
+    counted from the same step] in ac2_dist/_sim/_meter.py): a 4-block Llama whose peak
+    is in the head's backward. The simulation's saving at the peak is exactly the 3
+    inputs the schedule moves, as the real step's device peak on the simulated CUDA
+    (its allocator's live blocks, host buffers apart) drops by; the copies are priced
+    at the host link."""
+    import gc
+
+    from models import Llama, LlamaBlock
+
+    from ac2_dist.simulate import HOST_LINKS
+
+    layers, dim, seq, vocab = 4, 64, 512, 2048
+    boundary = seq * dim * 4
+
+    def build():
+        torch.manual_seed(0)
+        return Llama(vocab=vocab, dim=dim, layers=layers, heads=4, max_seq=seq)
+
+    report = simulate(build, batch=lambda: torch.randint(0, vocab, (1, seq)), blocks=[LlamaBlock], world_size=1,
+                      fsdp=None, modes=["none", "full"], device="h100")
+    full = report.mode("full AC")
+    assert report.mode("no AC").offload_peak_bytes is None  # no checkpointed block: nothing to offload
+    assert full.boundary_bytes == (layers - 1) * boundary
+    assert full.peak_bytes - full.offload_peak_bytes == (layers - 1) * boundary
+    assert full.boundary_copy_seconds == pytest.approx(boundary / HOST_LINKS["h100"])
+    assert 0 < full.block_backward_seconds
+    assert "moved to host memory" in report.format()
+
+    tokens = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
+    peaks = {}
+    from _simcuda import SimCuda
+
+    with SimCuda() as sim:  # after the simulation: its regions must not take the simulated streams
+        for inputs in (False, True):
+            model = ac.apply_ac(build(), "recompute_all", modules=[LlamaBlock],
+                                replay=ac.ReplayConfig(stream="auto", prefetch=0,
+                                                       offload=ac.Offload(block_inputs=inputs)))
+            for _ in range(2):  # the second step is measured (the pool is filled)
+                gc.collect()
+                base = sim.device_now
+                sim.reset_peak()
+                model(tokens).float().mean().backward()
+                model.zero_grad(set_to_none=True)
+            peaks[inputs] = sim.device_peak - base
+            del model
+        sim.check()
+    assert peaks[False] - peaks[True] == (layers - 1) * boundary, peaks
+
+
 @pytest.fixture(scope="module", params=[("gpt2", 2), ("llama", 4)], ids=["gpt2-2ranks", "llama-4ranks"])
 def bench_rows(request):
     """launch/bench_simulate.py's rows for a tiny GPT-2 on 2 ranks and the tiny Llama on 4:

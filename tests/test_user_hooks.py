@@ -51,6 +51,13 @@ class _Recorder:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
+def _programs(packed: list[tuple]) -> list[tuple]:
+    """What was packed of the program's tensors: torch 2.10's checkpoint also saves an
+    empty placeholder tensor in front of each call's inputs (0 elements, none of the
+    program's; later releases do not), which is left out."""
+    return [p for p in packed if p != ((0,), None)]
+
+
 def _blocks(n: int = 3) -> list[_Block]:
     torch.manual_seed(0)
     return [_Block() for _ in range(n)]
@@ -92,7 +99,7 @@ def test_the_hooks_see_the_region_inputs_as_under_torch():
         rec = _Recorder()
         got = _run(blocks, call, rec)
         assert_bitwise(eager, got)
-        under[name] = (rec.packed, rec.unpacked > 0)
+        under[name] = (_programs(rec.packed), rec.unpacked > 0)
     assert under["ac2"] == under["torch"]
     assert len(under["torch"][0]) == 6 and under["torch"][0][0] == ((8, D), 0)  # x first, then scale, per block
 
@@ -112,7 +119,7 @@ def test_modules_checkpointed_in_place_pass_their_positional_inputs():
         ac.wrap(b, "recompute_all")
     rec = _Recorder()
     assert_bitwise(eager, _run(mine, lambda b, h, s: b(h, s), rec))
-    assert rec.packed == rec_torch.packed and len(rec.packed) == 6
+    assert rec.packed == _programs(rec_torch.packed) and len(rec.packed) == 6
 
 
 def test_the_switch_passes_them_too():
@@ -124,7 +131,7 @@ def test_the_switch_passes_them_too():
     with switch.enabled(policy="recompute_all"):
         got = _run(blocks, _torch, rec)  # torch's entry point, ac2's region
     assert_bitwise(eager, got)
-    assert rec.packed == rec_torch.packed
+    assert rec.packed == _programs(rec_torch.packed)
 
 
 def test_what_the_hooks_move_away_is_not_kept():

@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
                                                     "(mm, addmm, aten.mm.default, ...)")
     p.add_argument("--target", default=None, help="a peak target, e.g. 70GiB: adds the planned mode")
     p.add_argument("--device", default="h100", help="h100, h200, a100, cpu: the rates recompute is priced at")
+    p.add_argument("--host-link", type=float, default=None,
+                   help="host<->device GB/s (one direction) block-input offload is priced at (default: the device's)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "none"])
     p.add_argument("--plan-out", default=None, help="write the plan (needs --target) to this JSON file")
     return p
@@ -164,7 +166,8 @@ def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
     report = simulate(build, batch=batch_fn, blocks=block_types, world_size=args.world_size, rank=args.rank,
                       fsdp=None if args.fsdp == "none" else "per-block", shard_size=args.shard_size,
                       optimizer=None if args.optimizer == "none" else _adamw_default(), modes=modes,
-                      target=args.target if target is not None else None, device=args.device, dtype=dtype)
+                      target=args.target if target is not None else None, device=args.device, dtype=dtype,
+                      host_link=args.host_link * 1e9 if args.host_link is not None else None)
     print(report.format())
     if args.plan_out:
         report.save_plan(args.plan_out)

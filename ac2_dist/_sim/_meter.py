@@ -21,6 +21,25 @@ Note [The simulated step is counted by torch's tracker]
     (Note [The peak model] in _peak_model.py): ``fwd:k`` where block k's forward
     begins (after FSDP's all-gather, as the region enters) and ``bwd:k`` where its
     backward first reads a saved value.
+
+Note [The boundary offloaded, counted from the same step]
+    ``Offload(block_inputs=True)`` moves block inputs off the device on a fixed schedule
+    (Note [Offloaded block inputs] in offload.py), so the step it would run is this
+    step minus, at each moment, the inputs that are on the host then. The meter
+    records each block's input bytes as its forward begins and, after every op,
+    subtracts those off the device at that moment: in the forward of block k the
+    inputs of blocks 0..k-2 (block i's copies are waited for when block i+1 closes);
+    after the last block's forward and in the backward before the blocks', every input
+    but the last; in the backward of block k the inputs of blocks 0..k-1 (block k's came
+    back at its first unpack: the simulated step replays as on CPU, without the
+    prefetch -- with CUDA's prefetch of one block, block k-1's input and replay come
+    back during block k's backward, one block's worth more than this step shows); none
+    after block 0's backward and in the optimizer step. Only inputs the step holds then
+    are subtracted (a block input lives from its block's forward to its backward). The
+    result, ``off_peak``, is the peak of that step; the copies' time is priced apart
+    (``ac2_dist.simulate``). Checked against a run on the simulated CUDA (the tests'
+    stream and allocator model): a 4-block Llama whose peak is in the head's backward
+    saves exactly the 3 inputs, there and here.
 """
 
 from __future__ import annotations
@@ -32,6 +51,8 @@ import torch
 from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
+
+from ..offload import Offload
 
 __all__: list[str] = []
 
@@ -58,6 +79,12 @@ class _Marks:
         self.kept: dict[int, int] = {}  # block -> bytes alive after its forward minus before
         self.fwd_start: dict[int, int] = {}
         self.start = 0
+        # Note [The boundary offloaded, counted from the same step]
+        self.inputs: dict[int, int] = {}  # block -> bytes of its inputs (as Offload(block_inputs=True) picks them)
+        self.prefetch = 0  # the simulated step replays as on CPU, without prefetch
+        self.bwd_low: int | None = None  # the lowest block whose backward ran this step
+        self.off_peak = 0
+        self.off_when = "-"
 
 
 def _total(snap: dict[Any, dict[str, int]]) -> int:
@@ -83,6 +110,7 @@ def make_meter(model: nn.Module, optimizer: torch.optim.Optimizer | None, blocks
             marks.peak, marks.peak_snap, marks.peak_when = marks.start, self._flat(), "start of the step"
             marks.segment, marks.segments, marks.marks = None, {}, {}
             marks.kept, marks.fwd_start = {}, {}
+            marks.inputs, marks.bwd_low, marks.off_peak, marks.off_when = {}, None, marks.start, "start of the step"
 
         def total(self) -> int:
             return _total(self._curr_mem_snap)
@@ -102,10 +130,11 @@ def make_meter(model: nn.Module, optimizer: torch.optim.Optimizer | None, blocks
             marks.marks.setdefault(segment, now)
             marks.segments[segment] = max(marks.segments.get(segment, now), now)
 
-        def block_forward(self, k: int, begins: bool) -> None:
+        def block_forward(self, k: int, begins: bool, args: tuple = ()) -> None:
             now = self.total()
             if begins:
                 self.ac2.fwd_start[k] = now
+                self.ac2.inputs[k] = sum(t.numel() * t.element_size() for t in args if Offload.is_block_input(t))
             elif k in self.ac2.fwd_start:
                 self.ac2.kept[k] = now - self.ac2.fwd_start[k]
 
@@ -119,10 +148,34 @@ def make_meter(model: nn.Module, optimizer: torch.optim.Optimizer | None, blocks
                 return f"{phase} of block {max(found) if phase == 'forward' else min(found)}"
             return f"{phase}, outside the blocks"
 
+        def _off_device(self) -> int:
+            """Bytes of block inputs on the host now under ``Offload(block_inputs=True)``
+            (Note [The boundary offloaded, counted from the same step])."""
+            marks = self.ac2
+            if self._in_opt or not marks.inputs:
+                return 0
+            tracker = self._mod_tracker
+            found = [marks.blocks[p] for p in tracker.parents if p in marks.blocks]
+            last = len(marks.blocks) - 1
+            if tracker.is_bw:
+                if found:
+                    low = min(found)
+                    marks.bwd_low = low if marks.bwd_low is None else min(marks.bwd_low, low)
+                    upto = low - marks.prefetch
+                else:
+                    upto = last if marks.bwd_low is None else marks.bwd_low - marks.prefetch
+            else:
+                upto = max(found) - 1 if found else min(max(marks.fwd_start, default=0), last)
+            return sum(marks.inputs.get(i, 0) for i in range(max(upto, 0)))
+
         def _update_peak_stats(self, peak_state: Any) -> None:
             super()._update_peak_stats(peak_state)
             now = self.total()
             marks = self.ac2
+            if marks.inputs and now > marks.off_peak:
+                off = now - self._off_device()
+                if off > marks.off_peak:
+                    marks.off_peak, marks.off_when = off, self._where()
             if marks.segment is not None and now > marks.segments.get(marks.segment, 0):
                 marks.segments[marks.segment] = now
             if now > marks.peak:

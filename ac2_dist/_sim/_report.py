@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from .._sizes import human_bytes
 
-__all__ = ["DEVICES", "NOT_COUNTED", "ModeReport"]
+__all__ = ["DEVICES", "HOST_LINKS", "NOT_COUNTED", "ModeReport"]
 
 #: FLOP/s (16-bit, 32-bit dense matmul) and memory bytes/s of the named devices
 #: (vendor datasheet figures, SXM parts; fp32 without TF32, torch's default).
@@ -17,6 +17,10 @@ DEVICES: dict[str, tuple[float, float, float]] = {
     "a100": (312e12, 19.5e12, 2.039e12),
     "cpu": (2.0e11, 2.0e11, 5.0e10),
 }
+
+#: Host <-> device bytes/s of the named devices' host link, one direction (PCIe Gen5 x16
+#: for H100/H200 SXM, Gen4 for A100, as pinned copies achieve it; a copy in memory on CPU).
+HOST_LINKS: dict[str, float] = {"h100": 50e9, "h200": 50e9, "a100": 25e9, "cpu": 10e9}
 
 #: What the simulation does not count, each with a typical size on a GPU.
 NOT_COUNTED: tuple[tuple[str, str], ...] = (
@@ -68,6 +72,17 @@ class ModeReport:
         kept_bytes: per block fqn, the bytes its forward leaves alive (its output included).
         predicted_bytes: for a target, the peak model's prediction (the planner's
             figure; ``peak_bytes`` is the simulated step running the plan).
+        boundary_bytes: the block inputs ``Offload(block_inputs=True)`` moves to host
+            memory (every block's but the last's), per step.
+        offload_peak_bytes: the peak of the same step with them offloaded (None for no
+            AC: its blocks are not checkpointed).
+        offload_when: when that peak happens.
+        boundary_copy_seconds: one block input's copy over the host link, one way (the
+            largest block's).
+        block_backward_seconds: a block's backward, estimated as twice its forward's
+            FLOPs at the device's rate (the smallest block's): the window the copy back
+            of the next block's input is hidden in (by the prefetch), as the copy out is in
+            the next block's forward.
     """
 
     name: str
@@ -79,6 +94,11 @@ class ModeReport:
     recompute_seconds: float = 0.0
     kept_bytes: dict[str, int] = field(default_factory=dict)
     predicted_bytes: int | None = None
+    boundary_bytes: int = 0
+    offload_peak_bytes: int | None = None
+    offload_when: str = "-"
+    boundary_copy_seconds: float = 0.0
+    block_backward_seconds: float = 0.0
 
 
 def _short(when: str) -> str:
@@ -110,6 +130,19 @@ def format_table(modes: list[ModeReport], head: str) -> str:
     row("kept by the blocks' forwards (sum)", [human_bytes(sum(m.kept_bytes.values())) for m in modes])
     row("recompute per step, GFLOP", [f"{m.recompute_flops / 1e9:.3f}" for m in modes])
     row("recompute per step, estimated ms", [f"{m.recompute_seconds * 1e3:.3f}" for m in modes])
+    if any(m.offload_peak_bytes is not None for m in modes):
+        def cell(m: ModeReport, text: str) -> str:
+            return "-" if m.offload_peak_bytes is None else text
+
+        row("block inputs offloaded: Offload(block_inputs=True)", [""] * len(modes))
+        row("  moved to host memory (every block's input but the last's)",
+            [cell(m, human_bytes(m.boundary_bytes)) for m in modes])
+        row("  peak on the rank with them offloaded", [cell(m, human_bytes(m.offload_peak_bytes or 0)) for m in modes])
+        row("  when", [cell(m, _short(m.offload_when)) for m in modes])
+        row("  one block input's copy, each way, estimated ms",
+            [cell(m, f"{m.boundary_copy_seconds * 1e3:.3f}") for m in modes])
+        row("  a block's backward (its window), estimated ms",
+            [cell(m, f"{m.block_backward_seconds * 1e3:.3f}") for m in modes])
     lines.append("")
     lines.append("Not counted (allocated-bytes scale; add these to compare with nvidia-smi):")
     for what, size in NOT_COUNTED:

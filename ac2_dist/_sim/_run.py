@@ -60,6 +60,11 @@ class _Run:
     fwd0: int = 0  # total when block 0's forward began
     problems: dict[tuple, _Problem] = field(default_factory=dict)  # structure -> its problem (full AC)
     structure: dict[str, tuple] = field(default_factory=dict)  # fqn -> its structure (full AC)
+    inputs: dict[int, int] = field(default_factory=dict)  # block -> its inputs' bytes (Offload(block_inputs=True))
+    # the peak with the block inputs offloaded (Note [The boundary offloaded, counted
+    # from the same step] in _meter.py)
+    off_peak: int = 0
+    off_when: str = "-"
 
 
 class _Recorder(MemoryBudget):
@@ -131,7 +136,7 @@ def run_mode(spec: _Spec, policy: Any) -> _Run:
     for k, f in enumerate(fqns):
         m = modules[f]
         # after FSDP's pre-forward (its all-gather) and before its post-forward (its reshard)
-        hooks.append(m.register_forward_pre_hook(lambda *_a, k=k: meter_ref[0].block_forward(k, True)))
+        hooks.append(m.register_forward_pre_hook(lambda _m, args, k=k: meter_ref[0].block_forward(k, True, args)))
         hooks.append(m.register_forward_hook(lambda *_a, k=k: meter_ref[0].block_forward(k, False), prepend=True))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
@@ -159,7 +164,8 @@ def run_mode(spec: _Spec, policy: Any) -> _Run:
     for h in hooks:
         h.remove()
     marks = meter.ac2
-    run = _Run(marks.peak, marks.start, dict(marks.peak_snap), marks.peak_when, dict(marks.kept), fqns)
+    run = _Run(marks.peak, marks.start, dict(marks.peak_snap), marks.peak_when, dict(marks.kept), fqns,
+               inputs=dict(marks.inputs), off_peak=marks.off_peak, off_when=marks.off_when)
     if recorder is not None:
         run.segments = dict(marks.segments)
         run.fwd0 = marks.marks.get("fwd:0", marks.start)

@@ -177,6 +177,7 @@ from .._policy import Decision
 from ..compile import skip_dynamo
 from ._graph_backward import _GraphBackward
 from ._graph_stats import GraphStats
+from ._history import prune_recipes, recipe_inputs
 from ._nodes import (
     FREED,  # noqa: F401  (re-exported: tests/test_recording_cost.py reads _graph.FREED)
     NO_KWARGS,
@@ -249,6 +250,8 @@ class Graph(_GraphBackward):
         # respect_saved_tensors_hooks=True: the op outputs the region saves go through them
         # (Note [The user's saved-tensor hooks] in _region.py). None: they do not.
         self.user_hooks: Any = None
+        # A saved node keeps its recipe (Note [A saved value keeps its recipe] in _history.py).
+        self.has_recipes = False
         self.has_cuts = False  # Note [Nested modules cut the replay]: private replays happen
         # This region's block of an offload schedule (offload.OffloadUnit; set by the region
         # when its ReplayConfig has an Offload): where CPU-offloaded saves go.
@@ -322,10 +325,12 @@ class Graph(_GraphBackward):
         """Forward ended: drop the tensor map (its entries keep nodes alive) and the
         random ops no replay will pass (those at the end of a chain that nothing reads)."""
         # See Note [Chains end at their last needed op] (below).
-        self.map = self._entries = self.held = None
         self.open_chains = {}
         if self.rng_chains:
             self._trim_chains()
+        if self.has_recipes:  # Note [A recipe holds no saved value] (_history.py)
+            prune_recipes(self)
+        self.map = self._entries = self.held = None
 
     def _trim_chains(self) -> None:
         """Note [Chains end at their last needed op]
@@ -378,7 +383,7 @@ class Graph(_GraphBackward):
         saved = Saved(
             t, decision, reason=reason, allow_mutation=allow_mutation,
             keep_identity=not made_here or not (t.is_floating_point() or t.is_complex()), owner=owner,
-            version=version, offload=self.offload,
+            version=version, offload=self.offload, history=t.requires_grad,
         )
         node.set_saved(0, saved)
         self.held.add(node)
@@ -463,7 +468,8 @@ class Graph(_GraphBackward):
         owner = f"{reason} region input" if node.op is None else f"{reason} output of {node.op}"
         node.set_saved(
             idx, Saved(t, decision, reason=reason, allow_mutation=allow, keep_identity=keep, owner=owner,
-                       offload=self.offload, user_hooks=self.user_hooks if node.op is not None else None)
+                       offload=self.offload, user_hooks=self.user_hooks if node.op is not None else None,
+                       history=t.requires_grad)
         )
         if self.held is not None:
             self.held.add(node)
@@ -479,8 +485,14 @@ class Graph(_GraphBackward):
             for m, j in producers(node):
                 self._disarm(m, j)
         if not node.scheduled and node.rng is None and all(s is not None for s in node.saved):
-            # Fully saved now: recompute never passes through it, let its inputs go (a
-            # random op keeps them: Note [A saved random op stays in its chain]).
+            # Fully saved now: recompute never passes through it. A value with a history
+            # keeps its inputs as its recipe (Note [A saved value keeps its recipe] in
+            # _history.py); otherwise they go (a random op keeps them: Note [A saved
+            # random op stays in its chain]).
+            if any(s.detached for s in node.saved):
+                node.inputs = recipe_inputs(self, node.inputs)
+                self.has_recipes = True
+                return
             node.inputs = ()
             node.args = ()
             node.kwargs = NO_KWARGS

@@ -17,6 +17,7 @@ import torch
 
 from ..compile import skip_dynamo
 from ..fsdp import ensure_unsharded
+from ._history import recompute_with_history
 from ._nodes import FREED, Handle, Node, Saved, tensor_nbytes
 from ._replayer import Replayer
 
@@ -107,8 +108,8 @@ class _GraphBackward(Replayer):
         if node.saved is not None and node.saved[idx] is not None:
             v = self._saved_value(node, idx)
             uses[k] -= 1
-            if uses[k] <= 0 and node.held == 0 and node.op is not None:
-                self._free_saved(node, idx)
+            if uses[k] <= 0:
+                self._last_use(node, idx)
             return v
         values = node.values
         v = values[idx]
@@ -135,10 +136,18 @@ class _GraphBackward(Replayer):
         uses, k = self.uses, node.seq + idx
         if node.saved is not None and node.saved[idx] is not None:
             uses[k] -= 1
-            if uses[k] <= 0 and node.held == 0 and node.op is not None:
-                self._free_saved(node, idx)
+            if uses[k] <= 0:
+                self._last_use(node, idx)
             return
         self.take(node, idx)  # a cached recomputed value: counts only, no op
+
+    def _last_use(self, node: Node, idx: int) -> None:
+        """This backward's last pending reader of the saved ``node[idx]`` has it."""
+        s = node.saved[idx]
+        if s.offloaded:  # Note [One copy back per backward] (offload.py)
+            s.value.fetched = None
+        if node.held == 0 and node.op is not None:
+            self._free_saved(node, idx)
 
     def _free_saved(self, node: Node, idx: int) -> None:
         """Drop a saved op output whose last pending reader (a replay) has it, unless this
@@ -148,6 +157,7 @@ class _GraphBackward(Replayer):
         if (
             self.map is not None  # the region still records: a later op may read it
             or torch._C._autograd._get_current_graph_task_keep_graph()
+            or self.create_graph  # a history replay may read it (Note [A saved value keeps its recipe] in _history.py)
             or self._private_replays_left()
         ):
             return
@@ -183,13 +193,9 @@ class _GraphBackward(Replayer):
             if self.log is not None:
                 unit = node.fsdp_unit()
                 self.log("unshard" if triggered else "unsharded", _wrapped_fqn(unit, self.fqn))
-        if self.create_graph and s.detached:
-            raise RuntimeError(
-                f"ac2_dist: backward with create_graph=True needs the saved {s.owner} with "
-                "its autograd history, but ac2_dist keeps saved activations detached. "
-                "Use policy 'recompute_all' (and rng='replay' for random ops) for a region "
-                "you differentiate twice, so every value is recomputed from the region inputs."
-            )
+        if self.create_graph and s.detached:  # Note [A saved value keeps its recipe] (_history.py)
+            recompute_with_history(self, node, idx)
+            s = node.saved[idx]
         v = s.get()
         guard = self.executor.guard_read
         if guard is not None:
@@ -277,6 +283,8 @@ class _GraphBackward(Replayer):
         s = saved[idx]
         if type(s) is Saved and s.hooks is None and s.device is None and not s.offloaded and node.fsdp_unit is None:
             self.create_graph = torch.is_grad_enabled()
+            if self.create_graph and s.detached:  # a replay gives it its history (_history.py)
+                return _MISSING
             return self.take(node, idx)
         return _MISSING
 

@@ -39,13 +39,7 @@ def _held_bytes(graphs: Iterable[Graph], params: set[int]) -> tuple[dict[str, in
     host_by_module: dict[str, int] = {}
     visited: set[int] = set()
     for graph in graphs:
-        stack: list[Node] = [h.node for h in list(graph.handles)]
-        while stack:
-            node = stack.pop()
-            if id(node) in visited:
-                continue
-            visited.add(id(node))
-            stack.extend(node.inputs[1::3])  # Note [Node inputs are one flat tuple] (_nodes.py)
+        for node in _held_nodes(graph, visited):
             for s in node.saved or ():
                 # An offloaded value occupies its device tensor or its host copy (offload.py).
                 t = s.value.held() if s is not None and s.offloaded else getattr(s, "value", None)
@@ -68,6 +62,32 @@ def _held_bytes(graphs: Iterable[Graph], params: set[int]) -> tuple[dict[str, in
                 by_reason[s.reason] += nbytes
                 by_module[node.fqn] = by_module.get(node.fqn, 0) + nbytes
     return by_reason, by_module, host, host_by_module
+
+
+def _held_nodes(graph: Graph, visited: set[int]) -> list[Node]:
+    """The nodes ``graph`` keeps alive from its live handles, not in ``visited`` (which
+    grows): first those the first-order backward reaches, then those only saved nodes'
+    recipes reach (Note [A recipe holds no saved value] in _history.py: leaves that
+    require grad), so that a storage both hold is counted under the first one's reason
+    whatever the recipes are."""
+    order: list[Node] = []
+    later: list[Node] = []
+    stack: list[Node] = [h.node for h in list(graph.handles)]
+    for phase in (0, 1):
+        while stack:
+            node = stack.pop()
+            if id(node) in visited:
+                continue
+            visited.add(id(node))
+            order.append(node)
+            saved = node.saved
+            # Note [Node inputs are one flat tuple] (_nodes.py)
+            if phase or saved is None or node.rng is not None or any(x is None for x in saved):
+                stack.extend(node.inputs[1::3])
+            else:  # a saved node's recipe
+                later.extend(node.inputs[1::3])
+        stack = later
+    return order
 
 
 def _storage_key(t: torch.Tensor) -> int:

@@ -110,6 +110,8 @@ class Saved:
             return
         if decision is _MUST_OFFLOAD or decision is _PREFER_OFFLOAD:
             self.reason = "offloaded"
+            # A copy comes back: a region input offloaded as itself loses its history too.
+            self.detached = history and (t.is_floating_point() or t.is_complex())
             if offload is not None and offload.takes(t):
                 self.offloaded = True
                 version = version_of(counter if counter is not None else t) if version is None else version
@@ -136,6 +138,15 @@ class Saved:
                 self.value = alias(self.value).clone()
             self.version = None
             self.counter = None
+
+    def with_history(self, v: torch.Tensor) -> None:
+        """Hold ``v`` -- this value recomputed with its autograd history -- from now on
+        (Note [A saved value keeps its recipe] in _history.py)."""
+        self.value = v
+        self.hooks = self.meta = self.device = self.counter = None
+        self.offloaded = False
+        self.detached = False
+        self.version = v._version
 
     def get(self) -> torch.Tensor:
         if self.offloaded:
@@ -296,6 +307,11 @@ class Node:
     # Other views of the written storage among a replayable write's arguments, as
     # (position, sizes, strides, storage offset): re-made from the written base.
     rebuilt: tuple = ()
+    # A saved node with a recipe: the recomputable node standing for it in other recipes;
+    # that shadow: a weak reference to the saved node (Note [A recipe holds no saved
+    # value] in _history.py).
+    shadow: Node | None = None
+    original: weakref.ref | None = None
 
     def __repr__(self) -> str:
         return f"Node({self.op or 'input'}, seq={self.seq})"

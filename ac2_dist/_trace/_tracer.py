@@ -369,11 +369,19 @@ class Tracer(_GeneralPath, TorchDispatchMode):
                 e = gmap.get(src)
                 if e is not None:
                     e.node.viewed = True
+            # Whether autograd gives the outputs a history (it does so after this mode
+            # returns: their requires_grad is not set yet here).
+            history = _grad_enabled() and (_any_requires_grad(args) or bool(kwargs)
+                                           and _any_requires_grad(kwargs.values()))
             if rng is not None:  # Note [A saved random op stays in its chain] (_graph.py)
                 node = self._recomputable(graph, func, info, args, kwargs, len(flat), inner,
                                           shape_only=info.shape_only)
                 node.rng = (rng.index, len(rng.nodes))
                 rng.nodes.append(node)
+            elif side is _NONE and not writes and _grad_enabled():  # Note [A saved value keeps its recipe] (_history.py)
+                node = self._recomputable(graph, func, info, args, kwargs, len(flat), inner,
+                                          shape_only=info.shape_only, reads=False)
+                graph.has_recipes = True
             else:
                 if random:  # drawn outside a chain (rng="save"): chains restart after it
                     graph.open_chains.clear()
@@ -381,10 +389,6 @@ class Tracer(_GeneralPath, TorchDispatchMode):
             graph.stats.saved_nodes += 1
             keep_base = not info.returns_alias
             counter = alias(src) if src is not None and view_version is not None else None
-            # Whether autograd gives the outputs a history (it does so after this mode
-            # returns: their requires_grad is not set yet here).
-            history = _grad_enabled() and (_any_requires_grad(args) or bool(kwargs)
-                                           and _any_requires_grad(kwargs.values()))
             for i, o in enumerate(flat):
                 if isinstance(o, _Tensor):
                     keep = keep_base and not (o.is_floating_point() or o.is_complex())

@@ -15,6 +15,7 @@ import torch
 from .._policy import _Frame, is_save, resolve
 from ..side_effects import _INFO, hop_writes, op_info
 from ._graph import Graph
+from ._history import recipe_input
 from ._nodes import Node, Saved, version_of
 from ._writes import is_literal, stale_view
 
@@ -28,15 +29,19 @@ _PLAIN = (_Tensor, torch.nn.Parameter)
 _NONES = tuple((None,) * n for n in range(8))
 
 
-def _list_refs(graph: Graph, pos: int | str, seq: list | tuple, allow: bool) -> tuple[list, tuple]:
+def _list_refs(graph: Graph, pos: int | str, seq: list | tuple, allow: bool, reads: bool = True) -> tuple[list, tuple]:
     """A ``Tensor[]`` argument at ``pos``: the list with its tensors replaced by None, and
-    the flat ``((pos, k), producer, idx, ...)`` inputs of those tensors."""
+    the flat ``((pos, k), producer, idx, ...)`` inputs of those tensors (``reads``: count
+    the node as a reader of each)."""
     lst = list(seq)
     refs: list = []
     for k, e in enumerate(seq):
         if isinstance(e, _Tensor):
             m, j = graph.ref(e, allow)
-            m.readers += 1
+            if reads:
+                m.readers += 1
+            else:
+                m = recipe_input(graph, m, j, e)
             refs += ((pos, k), m, j)
             lst[k] = None
     return lst, tuple(refs)
@@ -229,11 +234,14 @@ class _GeneralPath:
 
     @staticmethod
     def _recomputable(graph: Graph, func, info, args, kwargs, nout, frame, scratch=(), same=(),
-                      shape_only=()) -> Node:
+                      shape_only=(), reads=True) -> Node:
         # Note [Node inputs are one flat tuple] (_nodes.py), in argument order. Built by
         # tuple concatenation (arguments are few); a tensor list (cat of many) in one step.
         # The node is made after the walk: a leaf the walk makes for an unknown argument
         # gets the lower seq, as in program order (and as on the plain-op path).
+        # ``reads`` False: a saved op's recipe (Note [A saved value keeps its recipe] in
+        # _history.py), which no replay of the normal path reads: its arguments do not
+        # count it as a reader (nor as a view taken of them).
         inputs: tuple = ()
         allow = frame.allow_mutation
         targs = None  # args with tensors replaced by None, made only if some are not tensors
@@ -257,16 +265,19 @@ class _GeneralPath:
                     m, j = e.node, e.idx  # Graph.ref, inlined: the common case
                 else:
                     m, j = graph.ref(a, allow)
-                m.readers += 1
-                if i == view_src:
-                    m.viewed = True
-                    m.viewers += 1
+                if reads:
+                    m.readers += 1
+                    if i == view_src:
+                        m.viewed = True
+                        m.viewers += 1
+                else:
+                    m = recipe_input(graph, m, j, a)
                 inputs += (i, m, j)
             elif a is not None:
                 if targs is None:
                     targs = [None if isinstance(t, _Tensor) else t for t in args]
                 if info.has_tensor_lists and type(a) in (list, tuple):
-                    targs[i], refs = _list_refs(graph, i, a, allow)
+                    targs[i], refs = _list_refs(graph, i, a, allow, reads)
                     inputs += refs
                     lists = lists or bool(refs)
         tkw = None
@@ -278,10 +289,13 @@ class _GeneralPath:
                     if same and k in same:
                         continue
                     m, j = graph.ref(v, allow)
-                    m.readers += 1
+                    if reads:
+                        m.readers += 1
+                    else:
+                        m = recipe_input(graph, m, j, v)
                     inputs += (k, m, j)
                 elif info.has_tensor_lists and type(v) in (list, tuple):
-                    tkw[k], refs = _list_refs(graph, k, v, allow)
+                    tkw[k], refs = _list_refs(graph, k, v, allow, reads)
                     inputs += refs
                     lists = lists or bool(refs)
         n = len(args)
