@@ -74,6 +74,12 @@ class MemoryBudget:
             meant to the simulation).
         strict: with ``peak``: a target below the measured floor raises (at the next
             forward) instead of warning once and running at the floor.
+        offload_block_inputs: with ``peak``: when a step at the floor is over the target
+            and the blocks follow an offload schedule (``ac2_dist.Offload``, which
+            ``apply_ac`` gives its modules on CUDA) that keeps their inputs on the device,
+            the blocks' inputs are offloaded to host memory (``Offload(block_inputs=True)``,
+            with a warning) and the floor is measured again before the target is called
+            infeasible. ``False`` keeps them on the device.
         plan: with ``peak``: the path of a plan file written by
             ``ac2_dist.simulate`` (``SimulationReport.save_plan`` or ``python -m
             ac2_dist.simulate ... --plan-out``). The first step follows it instead of
@@ -114,6 +120,7 @@ class MemoryBudget:
         peak: int | str | Callable[[int], int | str] | None = None,
         strict: bool = False,
         plan: str | None = None,
+        offload_block_inputs: bool = True,
     ) -> None:
         given = [name for name, v in (("fraction", fraction), ("bytes", bytes), ("peak", peak)) if v is not None]
         if len(given) != 1:
@@ -121,12 +128,15 @@ class MemoryBudget:
                             + (f" (got {' and '.join(given)})" if given else ""))
         if not isinstance(strict, bool):
             raise TypeError(f"ac2_dist.MemoryBudget: strict must be a bool, got {strict!r}")
+        if not isinstance(offload_block_inputs, bool):
+            raise TypeError(f"ac2_dist.MemoryBudget: offload_block_inputs must be a bool, got {offload_block_inputs!r}")
         if strict and peak is None:
             raise TypeError("ac2_dist.MemoryBudget: strict applies to a peak target (MemoryBudget(peak=..., strict=True))")
         self._fraction = fraction
         self._bytes = bytes
         self._peak_arg = peak
         self._strict = strict
+        self._offload_block_inputs = offload_block_inputs
         if plan is not None and peak is None:
             raise TypeError("ac2_dist.MemoryBudget: plan applies to a peak target (MemoryBudget(peak=..., plan=path))")
         self._plan_path = plan
@@ -395,6 +405,7 @@ class MemoryBudget:
             what = f"bytes={self._bytes!r}"
         else:
             what = f"peak={self._peak_arg!r}" + (", strict=True" if self._strict else "")
+            what += "" if self._offload_block_inputs else ", offload_block_inputs=False"
             what += f", plan={self._plan_path!r}" if self._plan_path is not None else ""
         return f"MemoryBudget({what})"
 
@@ -404,15 +415,15 @@ class MemoryBudget:
             return (MemoryBudget, (self._fraction,))
         if self._bytes is not None:
             return (_budget_of_bytes, (self._bytes,))
-        return (_budget_of_peak, (self._peak_arg, self._strict, self._plan_path))
+        return (_budget_of_peak, (self._peak_arg, self._strict, self._plan_path, self._offload_block_inputs))
 
 
 def _budget_of_bytes(nbytes: Any) -> MemoryBudget:
     return MemoryBudget(bytes=nbytes)
 
 
-def _budget_of_peak(peak: Any, strict: bool, plan: str | None = None) -> MemoryBudget:
-    return MemoryBudget(peak=peak, strict=strict, plan=plan)
+def _budget_of_peak(peak: Any, strict: bool, plan: str | None = None, inputs: bool = True) -> MemoryBudget:
+    return MemoryBudget(peak=peak, strict=strict, plan=plan, offload_block_inputs=inputs)
 
 
 def _count(n: int, what: str) -> str:

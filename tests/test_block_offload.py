@@ -213,3 +213,36 @@ def test_long_context_device_memory(how, simcuda):
         # The hooks around the forward move every block's input, and what autograd saves
         # outside the blocks as well (the working set): a few bytes stay (the loss).
         assert moved <= working_set and moved < boundary, (plain, moved, boundary)
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+def test_a_peak_target_below_the_floor_offloads_the_block_inputs_first(allowed):
+    """``MemoryBudget(peak=...)`` whose floor step is over the target, blocks on an offload
+    schedule that keeps their inputs: the planner turns ``block_inputs`` on, warns saying
+    so and measures the floor again (Note [Below the floor, the block inputs go first]);
+    with ``offload_block_inputs=False`` the target is infeasible at once, as before."""
+    import warnings
+
+    tokens = _tokens()
+    eager = _grads(_model(), tokens)
+    offload = ac.Offload(stream="inline")
+    budget = ac.MemoryBudget(peak=1, offload_block_inputs=allowed)
+    model = ac.apply_ac(_model(), budget, modules=[LlamaBlock], replay=ac.ReplayConfig(offload=offload))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert_bitwise(eager, _grads(model, tokens))
+    said = [str(w.message) for w in caught if "MemoryBudget" in str(w.message)]
+    assert offload.block_inputs is allowed
+    if allowed:
+        assert any("Offload(block_inputs=True)" in m and "offload_block_inputs=False" in m for m in said), said
+        assert offload.stats.d2h_copies > 0
+    else:
+        assert not any("block_inputs" in m for m in said) and offload.stats.d2h_copies == 0
+    assert any("below" in m or "above the target" in m for m in said), said
+    assert "offload_block_inputs=False" in repr(ac.MemoryBudget(peak=1, offload_block_inputs=False))
+    with pytest.raises(TypeError, match="offload_block_inputs must be a bool"):
+        ac.MemoryBudget(peak=1, offload_block_inputs="yes")
+    import pickle
+
+    assert not pickle.loads(pickle.dumps(ac.MemoryBudget(peak=1, offload_block_inputs=False)))._offload_block_inputs

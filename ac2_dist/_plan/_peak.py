@@ -84,9 +84,10 @@ from .._measure._alloc import AllocationTrace, active_trace
 from .._measure._alloc_history import AllocatorHistory
 from .._pipelining import pipeline_microbatch as _pipeline_microbatch
 from .._sizes import human_bytes as _human
-from .._sizes import human_or_dash as _opt_human
 from ._block_problem import BlockBudget, Plan, _Option, _Problem
 from ._peak_model import _solve, _solve_from
+from ._peak_offload import offload_block_inputs, remember_schedule
+from ._peak_report import describe
 from ._peak_step import _all_max, _Call, _missing, _Record, _Step, _watch_model
 
 __all__ = ["PeakPlanner"]
@@ -106,6 +107,7 @@ class PlannerOwner(BlockBudget, Protocol):
     ``MemoryBudget(peak=...)``), beside what a block problem reads of it."""
 
     _strict: bool  # a target below the measured floor raises instead of warning
+    _offload_block_inputs: bool  # below the floor, the blocks' inputs may go to host memory
 
     def _set_plans(self, plans: dict[str, Plan]) -> None:
         """The plans the modules' next calls follow (fqn -> plan)."""
@@ -144,6 +146,7 @@ class PeakPlanner:
         self.device: torch.device | None = None  # the blocks' device (Note [The step's device])
         self._warned: set[str] = set()
         self._models: list[weakref.ref[torch.nn.Module]] = []  # watched models (:meth:`watch`)
+        self.offload: weakref.ref | None = None  # the blocks' Offload (Note [Below the floor, the block inputs go first])
         self._error: str | None = None
 
     # ---- steps ------------------------------------------------------------------------
@@ -314,6 +317,7 @@ class PeakPlanner:
             if any(c.fqn == region.fqn for c in step.calls[:-1]):
                 step.problem = step.problem or f"the module {region.fqn} ran twice in one step"
             step.mark(f"fwd:{k}")
+            remember_schedule(self, graph)
         graph.on_backward = partial(self._backward, step, k)
         region.peak_call = (step, k)
 
@@ -473,7 +477,8 @@ class PeakPlanner:
             self.structure = list(calls)
             self.bases = implied
             if measured > target:
-                self._infeasible(measured)
+                if not offload_block_inputs(self, measured):  # Note [Below the floor, the block inputs go first]
+                    self._infeasible(measured)
                 return
             self.state = "planned"
             self._plan()
@@ -631,20 +636,4 @@ class PeakPlanner:
 
     def describe(self) -> str:
         """Target, floor, predicted and measured peak, and the history of measured steps."""
-        with self.lock:
-            state = {"floor": "measuring the floor" if not self.history else "at the floor",
-                     "planned": "verifying its plan", "settled": f"settled: {self.reason}",
-                     "pipelined": f"at the floor: {self.reason}"}[self.state]
-            seconds, flops = self.recompute()
-            lines = [
-                f"peak target {_human(self.target)} ({self.target} bytes) on this rank; {state}",
-                f"  floor (measured) {_opt_human(self.floor_peak)}; predicted {_opt_human(self.predicted)}; "
-                f"measured {_opt_human(self.measured)}; plan {self._describe_choice()}, estimated recompute "
-                f"{seconds * 1e3:.3f} ms ({flops / 1e6:.1f} MFLOP) per step",
-            ]
-            if self.history:
-                lines.append(f"  {'step':>5}  {'plan':<36} {'predicted':>12} {'measured':>12}  note")
-                for r in self.history:
-                    lines.append(f"  {r.step + 1:>5}  {r.what:<36} {_opt_human(r.predicted):>12} "
-                                 f"{_opt_human(r.measured):>12}  {r.note}")
-            return "\n".join(lines)
+        return describe(self)
