@@ -332,3 +332,89 @@ def test_a_never_replayed_custom_op_with_autograd_serves_double_backward():
     for policy in ("recompute_all", [aten.sin.default]):
         ckpt = ac.checkpoint_with(policy)
         assert_bitwise(eager, _penalty_of(lambda h, ckpt=ckpt: ckpt(block, h, use_reentrant=False), x))
+
+
+def _two_leaf_penalty(block, run_block) -> list:
+    """A gradient penalty through ``block(x, y)`` (x, y leaves), gradients of both."""
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(4, 8, generator=g).requires_grad_() for _ in range(2))
+    torch.manual_seed(1)
+    out = run_block(block, x, y)
+    loss = (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(2))).sum()
+    gs = torch.autograd.grad(loss, (x, y), create_graph=True, allow_unused=True)
+    (loss + sum(gr.square().sum() for gr in gs if gr is not None and gr.requires_grad)).backward()
+    return [t.grad for t in (x, y)]
+
+
+def _eager(block, x, y):
+    return block(x, y)
+
+
+@pytest.mark.parametrize("case", ["layer_norm", "rand_like", "no_grad", "leaf_made_inside"])
+@pytest.mark.parametrize("policy", ["must_save_all", "list"])
+def test_outputs_without_history_and_leaves_made_inside(case, policy):
+    """Found by the modes fuzzer (tests/_modes_fuzz.py): a saved output that has no
+    history in eager either (``native_layer_norm``'s mean and rstd, ``rand_like``'s), a
+    value made under ``no_grad`` read by a saved op (a constant, read as saved), and a
+    leaf made inside the region with ``requires_grad_()`` (no ATen op: the recipe reads
+    the leaf itself). Before, an internal error or a freed-value error; now eager's."""
+    leaves = {}
+
+    def layer_norm(x, y):
+        return torch.nn.functional.layer_norm(x, (8,)) * y
+
+    def rand_like(x, y):
+        return (torch.rand_like(x) * x).sin() * y
+
+    def no_grad(x, y):
+        with torch.no_grad():
+            t = y * x.exp()
+        return (t * x).tanh()
+
+    def leaf_made_inside(x, y):
+        d = x.detach().requires_grad_()
+        leaves["d"] = d
+        return d.softmax(-1) * x * y
+
+    block = {"layer_norm": layer_norm, "rand_like": rand_like, "no_grad": no_grad,
+             "leaf_made_inside": leaf_made_inside}[case]
+    saved = {"layer_norm": [aten.native_layer_norm.default], "rand_like": [aten.rand_like.default],
+             "no_grad": [aten.tanh.default], "leaf_made_inside": [aten._softmax.default]}[case]
+    ckpt = ac.checkpoint_with("must_save_all" if policy == "must_save_all" else saved)
+    eager = _two_leaf_penalty(block, _eager)
+    got = _two_leaf_penalty(block, lambda b, x, y: ckpt(b, x, y, use_reentrant=False))
+    assert [g is None for g in got] == [g is None for g in eager]  # no_grad: y gets no gradient
+    assert_bitwise([g for g in eager if g is not None], [g for g in got if g is not None])
+
+
+def test_a_custom_functions_output_freed_is_a_clear_error():
+    """A custom autograd.Function's output gets its history from the Function, which a
+    replay of ATen ops cannot make again: read by a saved op's recipe, it is read by weak
+    reference; freed by the program, the error says so; kept, eager's gradients."""
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            ctx.save_for_backward(a)
+            return a * a
+
+        @staticmethod
+        def backward(ctx, g):
+            (a,) = ctx.saved_tensors
+            return 2 * g * a
+
+    kept = []
+
+    def block(x, y):
+        q = Square.apply(x)
+        kept.append(q)
+        return (q * y).sin()
+
+    def dropped(x, y):
+        return (Square.apply(x) * y).sin()
+
+    ckpt = ac.checkpoint_with("must_save_all")
+    assert_bitwise(_two_leaf_penalty(block, _eager), _two_leaf_penalty(block, lambda b, x, y: ckpt(b, x, y,
+                                                                                                    use_reentrant=False)))
+    with pytest.raises(RuntimeError, match=r"custom autograd.Function.*freed it after forward.*keep a reference"):
+        _two_leaf_penalty(dropped, lambda b, x, y: ckpt(b, x, y, use_reentrant=False))

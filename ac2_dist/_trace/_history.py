@@ -12,7 +12,8 @@ Note [A saved value keeps its recipe]
     to the region's inputs and parameters; a detached one would cut that path and the
     second-order gradient would silently miss every term through it.
 
-    So a saved op output recorded with grad mode on keeps its *recipe*: the node
+    So a saved op output keeps its *recipe* (one recorded with grad mode off too, run so:
+    ``Node.no_grad``; what it makes is a constant other recipes may read): the node
     records its op, arguments and producers as a recomputable node does (the tracer's
     ``_recomputable`` walk with ``reads=False``: the recipe counts as nobody's reader,
     so it makes no snapshot before a later write and no write a side effect); a tagged
@@ -126,28 +127,29 @@ def has_recipe(node: Node) -> bool:
 
 # The rare node fields ``Replayer._execute`` reads; the forward-only ones (``alias_of``,
 # which holds its partner node, ``aliased``, ...) stay with the saved node.
-_REPLAYED_FIELDS = ("lists", "rng", "like", "scratch", "writes", "same", "rebuilt", "via")
+_REPLAYED_FIELDS = ("lists", "rng", "like", "scratch", "writes", "same", "rebuilt", "via", "no_grad")
 
 
 class _WeakInput:
     """A weak twin's slot: the tensor a held value is, by weak reference, with the version
     it had (Note [A recipe holds no saved value])."""
 
-    __slots__ = ("ref", "version", "owner", "detached", "shape", "reason", "op")
+    __slots__ = ("ref", "version", "owner", "detached", "shape", "reason", "op", "history")
     offloaded = False
     hooks = device = None
     nbytes = 0
 
     def __init__(self, s: Any, t: torch.Tensor, op: Any) -> None:
         self.op = op
-        self.reason = s.reason
+        self.reason = s.reason if s is not None else "boundary"
         # The tensor the program made (not the saved detached alias, which only the
         # saved slot holds): it shares the version counter the saved value is checked by.
         self.ref = weakref.ref(t)
-        self.version = s.version
-        self.owner = s.owner
-        self.detached = s.detached  # a history it had and lost: nothing to recompute it from
+        self.version = s.version if s is not None else t._version
+        self.owner = s.owner if s is not None else "leaf made in the region (requires_grad_ on a value it computed)"
+        self.detached = s.detached if s is not None else False  # a history it had and lost: nothing to recompute it from
         self.shape = tuple(t.shape)
+        self.history = t.requires_grad  # the program's tensor had one (a custom Function's output)
 
     def alive(self) -> torch.Tensor | None:
         return self.ref()
@@ -189,17 +191,36 @@ def _weak_twin(graph: Graph, m: Node, j: int, t: torch.Tensor | None) -> Node:
     return twin
 
 
+def _leaf_twin(graph: Graph, m: Node, t: torch.Tensor) -> Node:
+    """A leaf reading ``t`` by weak reference: a tensor the region computed (``m``'s
+    output) and then made a leaf that requires grad (``requires_grad_()``, no ATen op)."""
+    twin = graph.new_node(None, 1, m.fqn)
+    twin.saved = [_WeakInput(None, t, None)]
+    return twin
+
+
 def recipe_input(graph: Graph, m: Node, j: int, t: torch.Tensor | None = None) -> Node:
     """The node a recipe records for its argument ``m[j]`` (Note [A recipe holds no saved
     value]): ``m`` itself if it recomputes ``j`` (no saved value) or holds ``j`` as
     itself (a region input or parameter); ``m``'s shadow if it saves ``j`` with a recipe
-    of its own; a weak twin of ``m`` for the output of an op without a recipe."""
+    of its own; a weak twin of ``m`` for the output of an op without a recipe that has
+    a history (a constant is read from ``m``); a weak leaf for a leaf made in the region
+    (``t``, the program's tensor, a leaf that requires grad: ``m``'s replay would
+    give a tensor that does not)."""
+    # ``is_leaf``, not ``grad_fn is None``: reading ``grad_fn`` makes autograd's node a
+    # Python object that lives as long as the node (one more gc-tracked object per op).
+    if t is not None and t.requires_grad and t.is_leaf and m.op is not None:
+        return _leaf_twin(graph, m, t)  # Note [A recipe holds no saved value]: a leaf made inside
     saved = m.saved
     if saved is None or saved[j] is None:
         return m
     s = saved[j]
-    if not has_recipe(m):
-        return _weak_twin(graph, m, j, t) if _weakly_read(m, s) else m
+    if not has_recipe(m) or m.no_grad and t is not None and t.requires_grad:
+        # No recipe, or one that cannot give the history the program's tensor has (an op
+        # inside a custom autograd.Function's forward: its history is the Function's).
+        if _weakly_read(m, s) and (t is None or t.requires_grad):
+            return _weak_twin(graph, m, j, t)
+        return m  # held as itself, or a constant in eager too: read as saved
     sh = m.shadow
     if sh is None:
         sh = graph.new_node(m.op, m.nout, m.fqn, m.inputs, m.args)
@@ -252,13 +273,19 @@ def _no_recipe(op: Any, s: Any, wanted: Node) -> RuntimeError:
 
 
 def _gone(s: _WeakInput, wanted: Node) -> RuntimeError:
+    if s.history:
+        why = ("whose history ac2_dist cannot make again (the output of a custom autograd.Function, whose history "
+               "is the Function's, or of an op it does not replay): it read that tensor by weak reference, and the "
+               "program freed it after forward (what ac2_dist keeps of it for the first-order backward has no "
+               "history)")
+    else:
+        why = ("kept from forward without a history and freed after it: nothing else read it, and ac2_dist does "
+               "not keep such a tensor alive for a second-order backward alone")
     return RuntimeError(
         f"ac2_dist: backward with create_graph=True needs the saved output of {wanted.op} with its "
-        f"autograd history, recomputed from the {s.owner} (shape {s.shape}), which was kept from forward "
-        "without a history and freed after it: nothing else read it, and ac2_dist does not keep such a "
-        f"tensor alive for a second-order backward alone. Use a policy that does not save {wanted.op} in "
-        "this region (the region then keeps what its replay needs), or keep a reference to that tensor "
-        "until backward."
+        f"autograd history, recomputed from the {s.owner} (shape {s.shape}), {why}. Use a policy that does not "
+        f"save {wanted.op} in this region (the region then keeps what its replay needs), or keep a reference to "
+        "that tensor until backward."
     )
 
 
@@ -270,6 +297,17 @@ def _stale(s: Any, wanted: Node) -> RuntimeError:
         f"that does not save {wanted.op} in this region (the region then keeps what the replay needs), "
         "or write a clone of that tensor instead."
     )
+
+
+def _constant_of(m: Node, j: int) -> Node | None:
+    """The saved node whose slot ``j`` serves shadow ``m`` as it is: a value without a
+    history in eager either (made from values that have none, as a value computed under
+    ``no_grad`` is), which a recompute with history would give back unchanged."""
+    original = m.original() if m.original is not None else None
+    if original is None or original.saved is None:
+        return None
+    s = original.saved[j]
+    return original if type(s) is Saved and not s.detached and isinstance(s.value, torch.Tensor) else None
 
 
 def _plan(node: Node) -> list[Node]:
@@ -310,6 +348,8 @@ def _plan(node: Node) -> list[Node]:
                 values = m.values
                 if values is not None and values[j] is not None:
                     continue  # this backward's value (a shadow's, or the normal path's cache)
+                if _constant_of(m, j) is not None:
+                    continue
             todo[id(m)] = m
             stack.append(m)
     return sorted(todo.values(), key=lambda n: n.seq)
@@ -346,18 +386,46 @@ def recompute_with_history(graph: _GraphBackward, node: Node, idx: int) -> None:
         saved = m.saved
         if saved is not None and saved[j] is not None:
             return graph._saved_value(m, j), True
-        return m.values[j], True
+        values = m.values
+        if values is not None and values[j] is not None:
+            return values[j], True
+        original = _constant_of(m, j)  # a shadow whose original holds a constant (_plan)
+        assert original is not None
+        return graph._saved_value(original, j), True
 
     for n in _plan(node):
-        flat = graph._execute(n, value_of)
+        if n.no_grad:  # recorded under no_grad: its output has no history, as in eager
+            with torch.no_grad():
+                flat = graph._execute(n, value_of)
+        else:
+            flat = graph._execute(n, value_of)
         computed[id(n)] = flat
         if n.original is not None or n.saved is not None:
             _keep(n, flat)
     v = node.saved[idx].value
-    if not isinstance(v, torch.Tensor) or v.grad_fn is None and not v.requires_grad:
-        raise RuntimeError(
-            f"ac2_dist internal error: the recompute of the saved {s.owner} for create_graph gave no autograd history"
-        )
+    if isinstance(v, torch.Tensor) and not v.requires_grad:
+        _check_no_history(node, computed[id(node)], [value_of(m, j)[0] for m, j in zip(node.inputs[1::3],
+                                                                                         node.inputs[2::3])])
+
+
+def _check_no_history(node: Node, flat: list[Any], inputs: list[Any]) -> None:
+    """A recompute with history gave ``node``'s output none: so did eager's if the op
+    gave another output one (``native_layer_norm``'s mean and rstd) or read an input
+    that has one (an integer op), or read none as an input (``rand_like``, ``zeros_like``
+    read only its shape); else an input lost its history,
+    which would silently drop second-order terms: an error."""
+    if any(isinstance(o, torch.Tensor) and o.requires_grad for o in flat):
+        return
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    if not tensors or any(x.requires_grad for x in tensors):  # none read (``rand_like``, ``zeros_like``)
+        return
+    raise RuntimeError(
+        f"ac2_dist: backward with create_graph=True needs the saved output of {node.op} with its autograd "
+        "history, and its recompute read values that have none although that op's inputs had one in forward "
+        "(a tensor the region computed and then made a leaf with requires_grad_, which replaying ATen ops "
+        f"cannot make again, is one way). Use a policy that does not save {node.op} in this region, or make that "
+        "leaf outside the checkpointed region."
+    )
 
 
 def prune_recipes(graph: Graph) -> None:

@@ -312,6 +312,9 @@ class Node:
     # value] in _history.py).
     shadow: Node | None = None
     original: weakref.ref | None = None
+    # A saved op recorded with grad mode off (its recipe runs so: Note [A saved value
+    # keeps its recipe] in _history.py).
+    no_grad = False
 
     def __repr__(self) -> str:
         return f"Node({self.op or 'input'}, seq={self.seq})"

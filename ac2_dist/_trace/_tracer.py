@@ -378,10 +378,12 @@ class Tracer(_GeneralPath, TorchDispatchMode):
                                           shape_only=info.shape_only)
                 node.rng = (rng.index, len(rng.nodes))
                 rng.nodes.append(node)
-            elif side is _NONE and not writes and _grad_enabled():  # Note [A saved value keeps its recipe] (_history.py)
+            elif side is _NONE and not writes:  # Note [A saved value keeps its recipe] (_history.py)
                 node = self._recomputable(graph, func, info, args, kwargs, len(flat), inner,
                                           shape_only=info.shape_only, reads=False)
                 graph.has_recipes = True
+                if not _grad_enabled():
+                    node.no_grad = True
             else:
                 if random:  # drawn outside a chain (rng="save"): chains restart after it
                     graph.open_chains.clear()
