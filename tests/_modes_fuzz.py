@@ -1106,6 +1106,13 @@ REFUSALS = (
     Refusal("double backward through a saved op reading a custom Function's output the program freed",
             lambda p, v: p.backward == "double" and ".apply" in p.source(),
             r"whose history ac2_dist cannot make again \(the output of a custom autograd\.Function"),
+    # _history.py's _check_no_history: under torch.vmap the recorder sees a custom
+    # Function's inner ops on unwrapped tensors, so the recompute of a saved op reading the
+    # Function's output finds no history where eager had the Function's.
+    Refusal("double backward through a saved op whose recompute reads a custom Function's inner values",
+            lambda p, v: p.backward == "double" and ".apply" in p.source(),
+            r"its recompute read values that have none although that op's inputs had one in forward: values "
+            r"computed inside a custom autograd\.Function's forward"),
 )
 
 

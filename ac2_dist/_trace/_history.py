@@ -209,15 +209,18 @@ def recipe_input(graph: Graph, m: Node, j: int, t: torch.Tensor | None = None) -
     give a tensor that does not)."""
     # ``is_leaf``, not ``grad_fn is None``: reading ``grad_fn`` makes autograd's node a
     # Python object that lives as long as the node (one more gc-tracked object per op).
-    if t is not None and t.requires_grad and t.is_leaf and m.op is not None:
+    # A view made under no_grad of a tensor that requires grad is such a leaf too; its
+    # base's history is eager's, and a replay of the view reads the base: not a leaf made here.
+    if t is not None and t.requires_grad and t.is_leaf and m.op is not None and not t._is_view():
         return _leaf_twin(graph, m, t)  # Note [A recipe holds no saved value]: a leaf made inside
     saved = m.saved
     if saved is None or saved[j] is None:
         return m
     s = saved[j]
-    if not has_recipe(m) or m.no_grad and t is not None and t.requires_grad:
+    if not has_recipe(m) or m.no_grad and t is not None and t.requires_grad and not t._is_view():
         # No recipe, or one that cannot give the history the program's tensor has (an op
-        # inside a custom autograd.Function's forward: its history is the Function's).
+        # inside a custom autograd.Function's forward: its history is the Function's; a
+        # view made under no_grad requires grad as its base does, with no history).
         if _weakly_read(m, s) and (t is None or t.requires_grad):
             return _weak_twin(graph, m, j, t)
         return m  # held as itself, or a constant in eager too: read as saved
@@ -421,10 +424,10 @@ def _check_no_history(node: Node, flat: list[Any], inputs: list[Any]) -> None:
         return
     raise RuntimeError(
         f"ac2_dist: backward with create_graph=True needs the saved output of {node.op} with its autograd "
-        "history, and its recompute read values that have none although that op's inputs had one in forward "
-        "(a tensor the region computed and then made a leaf with requires_grad_, which replaying ATen ops "
-        f"cannot make again, is one way). Use a policy that does not save {node.op} in this region, or make that "
-        "leaf outside the checkpointed region."
+        "history, and its recompute read values that have none although that op's inputs had one in forward: "
+        "values computed inside a custom autograd.Function's forward (under torch.vmap too), whose history is "
+        "the Function's and which no replay of ATen ops makes again. Use a policy that does not save "
+        f"{node.op} in this region, or keep the Function's output alive until backward."
     )
 
 
