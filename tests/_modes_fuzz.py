@@ -1145,6 +1145,13 @@ KNOWN = (
 )
 
 
+def _program_packs(packs: list) -> list:
+    """What torch's checkpoint packed of the program's tensors: torch 2.10 and 2.11 also save
+    an empty placeholder tensor in front of each call's inputs (0 elements, none of the
+    program's; later releases do not), which is left out."""
+    return [p for p in packs if not (tuple(p[0]) == (0,) and p[-1] is None)]
+
+
 def refusal(program: Program, variant: str, error: str) -> Refusal | None:
     return next((r for r in REFUSALS if r.applies(program, variant) and re.search(r.pattern, error)), None)
 
@@ -1190,10 +1197,10 @@ def check_program(program: Program, variants: list[tuple[str, bool]] | None = No
         else:
             res.failures += [fail(kind, detail) for kind, detail in compare(got.obs, ref.obs)]
             if (variant == "ac2_checkpoint" and program.around_hooks and torch_run.error is None
-                    and got.obs.around != torch_run.obs.around):
+                    and got.obs.around != _program_packs(torch_run.obs.around)):
                 res.failures.append(fail("wrong_packs", f"saved-tensor hooks around the region packed "
                                                         f"{got.obs.around}, under torch's checkpoint "
-                                                        f"{torch_run.obs.around}"))
+                                                        f"{_program_packs(torch_run.obs.around)}"))
         if res.leak_checked and got.error is None and got.alive:
             res.failures.append(fail("leak", f"alive after the step: {got.alive}"))
     if variants is None:  # the extra run: every tensor made in forward
