@@ -99,6 +99,11 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 import ac2_dist as ac
 from ac2_dist._trace._tracer import C_DISPATCH, recording_in_python
 
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # run as python -m tests._modes_fuzz
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _view_fuzz import _indent  # noqa: E402
+from _view_fuzz import bitwise_equal as _tensors_bitwise_equal  # noqa: E402
+
 aten = torch.ops.aten
 R, C = 4, 8  # x, y are R x C; w is C x C
 SAVE_CANDIDATES = (
@@ -802,16 +807,10 @@ def _loss(seed: int, flat: list) -> torch.Tensor | None:
 
 
 def bitwise_equal(a: Any, b: Any) -> bool:
-    """Same shape, dtype and bits (NaN where the other has NaN); non-tensors by ``==``."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        return type(a) is type(b) and a == b
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if torch.equal(a, b):
-        return True
-    if a.is_floating_point():
-        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
-    return False
+    """Tensors: same shape, dtype and bits (NaN where the other has NaN); others by ``==``."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return _tensors_bitwise_equal(a, b)
+    return type(a) is type(b) and a == b
 
 
 def _diff(a: Any, b: Any) -> str:
@@ -1056,10 +1055,6 @@ class Failure:
                 f"  {self.program.settings()}\n"
                 f"  replay alone: python -m tests._modes_fuzz --seed {self.seed} -v\n"
                 + _indent(self.program.source(), "  | "))
-
-
-def _indent(text: str, prefix: str) -> str:
-    return "".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n"))
 
 
 @dataclass
