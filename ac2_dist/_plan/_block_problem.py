@@ -34,8 +34,11 @@ Note [The solver]
     output with the best cost saved per byte added -- takes the cheapest prefix that
     fits, fills what is left of the budget the same greedy way, keeps the single best
     output if that is cheaper (for independent items: the classic factor-2 greedy),
-    and then improves by local search (drop one saved output, refill). That part is a
-    heuristic without a bound.
+    then the same from the cheapest minimum cuts within the budget (Note [Saved sets as
+    cuts] in _cuts.py: sets no path of single picks reaches), and then improves by local
+    search (drop one saved output, refill). That part is a heuristic without a bound. A
+    peak target's options (:meth:`_Problem.frontier`) are every subset up to
+    ``_EXACT_UP_TO`` candidates, else the greedy path, each single output and every cut.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ._cuts import cut_sets
 from ._flops import op_flops
 
 __all__ = ["BlockBudget", "Plan"]
@@ -54,6 +58,7 @@ _CP = CheckpointPolicy
 _PS, _PR = _CP.PREFER_SAVE, _CP.PREFER_RECOMPUTE
 _MAX_CANDIDATES = 96  # outputs the solver considers saving (the heaviest recomputed ones)
 _EXACT_UP_TO = 12  # candidates up to which the solver enumerates every subset
+_CUT_SEEDS = 3  # cuts within a byte limit the solver fills (the cheapest ones)
 
 
 class BlockBudget(Protocol):
@@ -187,9 +192,18 @@ class _Problem:
             if not self.records[s].view and self.records[s].nbytes > 0 and s not in written
             and self.records[s].call is not None
         ]
-        # The costliest outputs to recompute bound the solver's work.
+        # The costliest outputs to recompute bound the greedy solver's work; a cut may save any
+        # of them (Note [Saved sets as cuts] in _cuts.py).
         candidates.sort(key=lambda s: -self.records[s].seconds)
+        self.cuttable = candidates
         self.candidates = candidates[:_MAX_CANDIDATES]
+        self._cuts: list[frozenset[int]] | None = None
+
+    def cuts(self) -> list[frozenset[int]]:
+        """The min-cut proposals of this block (computed once; Note [Saved sets as cuts])."""
+        if self._cuts is None:
+            self._cuts = [] if len(self.cuttable) <= _EXACT_UP_TO else cut_sets(self)
+        return self._cuts
 
     def evaluate(self, saved: frozenset[int]) -> tuple[int, float, set[int]]:
         """(bytes held, recompute seconds, recomputed seqs) when ``saved`` are saved."""
@@ -218,6 +232,14 @@ class _Problem:
             if mem <= limit and cost < best_cost:
                 best_set, best_mem, best_cost = chosen, mem, cost
         best_set, best_cost = self._fill(best_set, best_mem, best_cost, limit)
+        # the cheapest cuts within the limit (Note [Saved sets as cuts] in _cuts.py), each filled
+        # the same way, or a single output
+        seeds = sorted(((cost, mem, seed) for seed in self.cuts()
+                        for mem, cost, _ in [self.evaluate(seed)] if mem <= limit), key=lambda t: t[:2])
+        for cost, mem, seed in seeds[:_CUT_SEEDS]:
+            seed, cost = self._fill(seed, mem, cost, limit)
+            if cost < best_cost:
+                best_set, best_cost = seed, cost
         for c in self.candidates:
             mem, cost, _ = self.evaluate(frozenset((c,)))
             if mem <= limit and cost < best_cost:
@@ -313,14 +335,14 @@ class _Problem:
     def frontier(self) -> list[_Option]:
         """Saved sets that are cheapest for their bytes, fewest bytes first (a peak
         target's options for this structure: Note [The peak model] in _peak_model.py). Every
-        subset of the candidates up to ``_EXACT_UP_TO`` of them; else the greedy path
-        and each single candidate."""
+        subset of the candidates up to ``_EXACT_UP_TO`` of them; else the greedy path,
+        each single candidate and every minimum cut (Note [Saved sets as cuts] in _cuts.py)."""
         cands = self.candidates
         if len(cands) <= _EXACT_UP_TO:
             sets = [frozenset(c for i, c in enumerate(cands) if mask >> i & 1) for mask in range(1 << len(cands))]
         else:
             sets = [frozenset()] + [chosen for chosen, _, _ in self._greedy_path()]
-            sets += [frozenset((c,)) for c in cands]
+            sets += [frozenset((c,)) for c in cands] + self.cuts()
         floor = self.evaluate(frozenset())[0]
         points = []
         for saved in sets:

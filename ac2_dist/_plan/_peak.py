@@ -31,12 +31,13 @@ Note [Verify, correct, stay put]
     save): converged. Over the target: each segment's base is raised to what the step
     implies (measured minus the plan's ``dk``) and the plan is solved again. Under by more
     than ``1 - _USE``: solved again, priced from that step's peaks up (Note [A correction
-    adds to what was measured] in _peak_model.py). A corrected plan is solved for the
-    target less the largest candidate output: another saved set changes a replay's working
-    set, which no step measured (GPT-2: +48 KiB, 3 %). After ``_TRIES`` planned steps the
-    planner keeps the cheapest plan whose measured peak was within the target (the floor
-    if none was) and stops measuring: it converges within three steps (floor, plan, corrected plan) and the saved
-    sets do not change afterwards. A step that cannot be measured (on CPU a profiler
+    adds to what was measured] in _peak_model.py), each such correction a climb towards the
+    target. A corrected plan is solved for the target less the largest candidate output
+    unless it replays nothing the measured plan did not (Note [A climb that replays nothing
+    new] in _peak_model.py). After ``_TRIES`` planned steps the planner keeps the cheapest
+    plan whose measured peak was within the target (the floor if none was) and stops
+    measuring: it converges within ``_TRIES + 1`` steps (the floor, then plans) and the
+    saved sets do not change afterwards. A step that cannot be measured (on CPU a profiler
     session ac2 did not start is running, Note [A profiler session of the user's]; a
     forward ran without its backward, steps overlapped as under pipeline schedules, a
     block ran twice in one step, the blocks ran another structure or plan than the one
@@ -93,7 +94,7 @@ from ._peak_step import _all_max, _Call, _missing, _Record, _Step, _watch_model
 __all__ = ["PeakPlanner"]
 
 _USE = 0.97  # a plan using less of the target than this is corrected (Note [Verify, correct, stay put])
-_TRIES = 2  # planned steps measured before the planner stays put
+_TRIES = 4  # planned steps measured before the planner stays put
 _HISTORY = 64  # measured steps describe() lists
 _UNMEASURED = 8  # step starts in a row without a usable step after which the planner stays put
 _MAX_CALLS = 4096  # regions per step the planner follows
@@ -569,14 +570,16 @@ class PeakPlanner:
             self._install(None)
             return
         options = [self.options(c.signature) for c in calls]
-        # a corrected plan keeps the largest candidate output free (Note [Verify, correct, stay put])
+        # a corrected plan keeps the largest candidate output free (Note [Verify, correct, stay put]),
+        # unless it replays nothing the measured plan did not (Note [A climb that replays nothing new])
         margin = 0 if self.planned_steps == 0 else max(
             (p.records[s].nbytes for p in (self.problems[c.signature] for c in calls) for s in p.candidates), default=0)
-        cap = self.target - self.base_abs - margin
+        cap = self.target - self.base_abs
         if measured is None:
-            choice = _solve(options, self.bases or {}, cap)
+            choice = _solve(options, self.bases or {}, cap - margin)
         else:
-            choice, self.bases = _solve_from(options, [self.problems[c.signature] for c in calls], *measured, cap)
+            choice, self.bases = _solve_from(options, [self.problems[c.signature] for c in calls], *measured, cap,
+                                             margin)
         if choice is not None and all(i == 0 for i in choice):
             choice = None
         self._install(choice)

@@ -355,7 +355,32 @@ def _plan(node: Node) -> list[Node]:
                     continue
             todo[id(m)] = m
             stack.append(m)
-    return sorted(todo.values(), key=lambda n: n.seq)
+    return _inputs_first(node, todo)
+
+
+def _inputs_first(node: Node, todo: dict[int, Node]) -> list[Node]:
+    """``todo`` in an order where every node comes after the nodes of ``todo`` it reads,
+    ``node`` last. Not sequence order: a shadow is made when its saved node's consumer is
+    recorded, so it carries a later sequence number than that consumer (Note [A recipe
+    holds no saved value])."""
+    order: list[Node] = []
+    done: set[int] = set()
+    stack: list[tuple[Node, bool]] = [(node, False)]
+    while stack:
+        n, expanded = stack.pop()
+        if id(n) in done:
+            continue
+        if expanded:
+            done.add(id(n))
+            order.append(n)
+            continue
+        stack.append((n, True))
+        inp = n.inputs
+        for k in range(len(inp) - 2, 0, -3):  # inputs pushed last-first: run in argument order
+            m = inp[k]
+            if id(m) in todo and id(m) not in done:
+                stack.append((m, False))
+    return order
 
 
 def _keep(n: Node, flat: list[Any]) -> None:
