@@ -87,9 +87,9 @@ def test_peak_targets_hold_from_step_1_converge_and_order_recompute(make):
     # A larger target never recomputes more.
     assert all(b <= a for a, b in zip(flops, flops[1:])), flops
     assert flops[0] > flops[-1]
-    # The memory is used: the settled plans reach most of the target.
-    print("used", used)
-    assert min(used) >= 0.85, used
+    # The memory is used: the settled plans climb to the target (0.85 before the climb; torch
+    # 2.13 measures 0.972-1.0 here).
+    assert min(used) >= 0.95, used
 
 
 def test_infeasible_target_warns_once_with_the_floor_and_runs_at_the_floor():
