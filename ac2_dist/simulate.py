@@ -322,6 +322,9 @@ def simulate(
     link = float(host_link) if host_link is not None else HOST_LINKS.get(str(device).lower(), 50e9)
     nbytes = parse_size(target, "target") if target is not None else None
     wanted = list(modes)
+    if not wanted and nbytes is None:
+        raise ValueError("ac2_dist.simulate: modes is empty and there is no target: nothing to simulate (give "
+                         "'none', 'full', a list of ops to save, or a target)")
     for m in wanted:
         if m not in ("none", "full") and not (isinstance(m, (list, tuple)) and m):
             raise ValueError(f"ac2_dist.simulate: a mode is 'none', 'full' or a non-empty list of ops to save, "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -65,15 +66,37 @@ def _hf(path: str, dtype: torch.dtype) -> tuple[Callable[[], nn.Module], Any]:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
         model_type = doc.pop("model_type")
+    except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
+        raise _Refused(f"--hf-config {path!r}: cannot build a config from it ({type(e).__name__}: {_line(e)}); "
+                       "it must be a Hugging Face config.json with a model_type") from e
+    try:
         config = AutoConfig.for_model(model_type, **doc)
-    except (OSError, json.JSONDecodeError, KeyError, ValueError, TypeError) as e:
-        raise _Refused(f"--hf-config {path!r}: cannot build a config from it ({type(e).__name__}: {e}); it must "
-                       "be a Hugging Face config.json with a model_type") from e
+    except Exception as e:  # transformers' own validation (its error classes vary by release)
+        raise _Refused(f"--hf-config {path!r}: transformers rejects this config: {_line(e)}") from e
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and vocab < 1:
+        raise _Refused(f"--hf-config {path!r}: vocab_size must be >= 1, got {vocab}")
 
     def build() -> nn.Module:
         return AutoModelForCausalLM.from_config(config).to(dtype).train()
 
     return build, config
+
+
+def _line(e: BaseException) -> str:
+    """An exception's message on one line (transformers' validation errors span several)."""
+    return " ".join(part.strip() for part in str(e).splitlines() if part.strip()) or type(e).__name__
+
+
+def _check_plan_out(path: str) -> None:
+    """``--plan-out``'s folder exists and is writable: checked before the simulation runs."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise _Refused(f"--plan-out {path!r}: the folder {folder!r} does not exist; create it first")
+    if not os.access(folder, os.W_OK):
+        raise _Refused(f"--plan-out {path!r}: the folder {folder!r} is not writable")
+    if os.path.isdir(path):
+        raise _Refused(f"--plan-out {path!r} is a folder; name a file (plan.json)")
 
 
 def _factory(spec: str) -> Callable[[], Any]:
@@ -121,10 +144,22 @@ def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
     for name in ("batch", "seq"):
         if getattr(args, name) < 1:
             raise _Refused(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.plan_out and not args.target:
+        raise _Refused("--plan-out needs --target (the plan is the peak target's)")
+    if args.plan_out:
+        _check_plan_out(args.plan_out)
+    modes: list[Any] = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes and not args.save_ops and not args.target:
+        raise _Refused(f"--modes {args.modes!r} names no mode: give none, full (comma-separated), --save-ops or "
+                       "--target")
     batch_fn = None
     if args.hf_config:
         build, config = _hf(args.hf_config, dtype)
         vocab = getattr(config, "vocab_size", None)
+        longest = getattr(config, "max_position_embeddings", None)
+        if isinstance(longest, int) and args.seq > longest:
+            raise _Refused(f"--seq {args.seq} is longer than the config's max_position_embeddings ({longest}); "
+                           "raise it in the config if the model is meant to run that long")
     else:
         factory = _factory(args.model)
 
@@ -151,17 +186,16 @@ def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
     if batch_fn is None:
         if vocab is None:
             raise _Refused("the model has no config.vocab_size: return (model, batch_fn) from --model's factory")
+        if not isinstance(vocab, int) or vocab < 1:
+            raise _Refused(f"the model's config.vocab_size must be a positive int, got {vocab!r}")
         b, s = args.batch, args.seq
 
         def batch_fn() -> dict:
             ids = torch.randint(0, vocab, (b, s))
             return {"input_ids": ids, "labels": ids}
 
-    modes: list[Any] = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.save_ops:
         modes.append(_ops(args.save_ops))
-    if args.plan_out and not args.target:
-        raise _Refused("--plan-out needs --target (the plan is the peak target's)")
     target = parse_size(args.target, "--target") if args.target else None
     report = simulate(build, batch=batch_fn, blocks=block_types, world_size=args.world_size, rank=args.rank,
                       fsdp=None if args.fsdp == "none" else "per-block", shard_size=args.shard_size,
