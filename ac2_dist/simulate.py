@@ -70,6 +70,9 @@ class SimulationReport:
         self._floor = floor
         self._link = host_link
         self._plan: dict[str, Any] | None = None
+        #: Ops whose fake kernel refused the dtype and whose output the simulation made from
+        #: the op's shapes (``aten._grouped_mm`` in float32: its meta function takes bfloat16 only).
+        self.substituted: set[str] = set()
 
     def mode(self, name: str) -> ModeReport:
         """The report of the mode named ``name`` (``"no AC"``, ``"full AC"``, ...)."""
@@ -84,7 +87,11 @@ class SimulationReport:
         recompute FLOPs and their estimated time, and what is not counted."""
         head = (f"ac2_dist.simulate: rank {self.rank} of {self.world_size}, recompute priced for "
                 f"{self.device}")
-        return format_table(self.modes, head)
+        table = format_table(self.modes, head)
+        if self.substituted:
+            table += ("\n\nsimulated from the op's shapes (torch's fake kernel takes bfloat16 only; the real "
+                      "kernel takes this dtype): " + ", ".join(sorted(self.substituted)))
+        return table
 
     def plan(self, target: int | str, *, check: bool = True) -> ModeReport:
         """Solve for a peak ``target`` (bytes or ``"70GiB"``) on the simulated blocks
@@ -335,14 +342,17 @@ def simulate(
     reports: list[ModeReport] = []
     floor: _Run | None = None
     need_floor = nbytes is not None or any(m != "none" for m in wanted)
+    runs: list[_Run] = []
     with fake_world(world_size, rank):
         if need_floor:
             floor = run_mode(spec, _Recorder(rates))
+            runs.append(floor)
         for m in wanted:
             if m == "full":
                 run = floor
             else:
                 run = run_mode(spec, None if m == "none" else list(m))
+                runs.append(run)
             assert run is not None
             r = _report(_mode_name(m), run)
             if m != "none" and floor is not None:
@@ -351,6 +361,7 @@ def simulate(
             reports.append(r)
     report = SimulationReport(spec, world_size, rank, device if isinstance(device, str) else "custom", reports,
                               floor, link)
+    report.substituted = set().union(*(r.substituted for r in runs)) if runs else set()
     if nbytes is not None:
         report.plan(target)  # type: ignore[arg-type]
     return report

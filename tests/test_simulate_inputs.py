@@ -59,3 +59,49 @@ def test_the_api_refuses_no_mode():
     with pytest.raises(ValueError, match="nothing to simulate"):
         simulate(lambda: torch.nn.Linear(4, 4), batch=lambda: torch.randn(2, 4), blocks=[torch.nn.Linear],
                  world_size=2, modes=())
+
+
+# ---- MoE: transformers' default experts path in float32 ---------------------------------------
+
+
+def test_grouped_mm_fake_output_is_the_real_kernels():
+    """The output the simulation makes for ``aten._grouped_mm`` in float32 (torch's meta
+    function takes bfloat16 only) has the real CPU kernel's shape and dtype, in all four
+    operand layouts."""
+    import torch
+
+    from ac2_dist._sim._kernels import _grouped_mm_out
+
+    offs = torch.tensor([16, 32, 48], dtype=torch.int32)
+    cases = [(torch.randn(48, 16), torch.randn(3, 16, 8), offs), (torch.randn(3, 8, 16), torch.randn(3, 16, 8), None),
+             (torch.randn(8, 48), torch.randn(48, 8), offs), (torch.randn(3, 8, 16), torch.randn(16, 48), offs)]
+    for a, b, o in cases:
+        real = torch._grouped_mm(a, b, offs=o)
+        made = _grouped_mm_out(a, b, o, None)
+        assert made.shape == real.shape and made.dtype == real.dtype == torch.float32
+        assert _grouped_mm_out(a, b, o, torch.bfloat16).dtype == torch.bfloat16  # out_dtype wins
+
+
+def test_mixtral_default_experts_path_simulates_in_float32_and_says_so(tmp_path):
+    """HF Mixtral's default experts path (``_grouped_mm``) in float32 died inside the fake
+    step; it simulates now, the report naming the op it made from shapes."""
+    import torch
+
+    from ac2_dist.simulate import simulate
+
+    T = pytest.importorskip("transformers")
+    cfg = T.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                          max_position_embeddings=64)
+
+    def batch():
+        ids = torch.randint(0, 128, (2, 32))
+        return {"input_ids": ids, "labels": ids}
+
+    report = simulate(lambda: T.MixtralForCausalLM(cfg).train(), batch=batch,
+                      blocks=[T.models.mixtral.modeling_mixtral.MixtralDecoderLayer], world_size=2,
+                      modes=("none", "full"))
+    assert report.substituted == {"aten._grouped_mm in float32"}
+    assert "aten._grouped_mm in float32" in report.format()
+    none, full = report.mode("no AC"), report.mode("full AC")
+    assert 0 < full.peak_bytes < none.peak_bytes

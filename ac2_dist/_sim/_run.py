@@ -28,6 +28,7 @@ from .._modules import _select, apply_ac
 from .._plan._block_problem import Plan, _CostModel, _Problem
 from .._plan._budget_region import _BudgetRegion
 from ..budget import MemoryBudget
+from ._kernels import NarrowFakes
 from ._meter import make_meter
 
 __all__: list[str] = []
@@ -65,6 +66,9 @@ class _Run:
     # from the same step] in _meter.py)
     off_peak: int = 0
     off_when: str = "-"
+    # calls answered for a fake kernel narrower than the real one (Note [A fake kernel
+    # narrower than the real one] in _kernels.py)
+    substituted: set[str] = field(default_factory=set)
 
 
 class _Recorder(MemoryBudget):
@@ -139,7 +143,8 @@ def run_mode(spec: _Spec, policy: Any) -> _Run:
         hooks.append(m.register_forward_pre_hook(lambda _m, args, k=k: meter_ref[0].block_forward(k, True, args)))
         hooks.append(m.register_forward_hook(lambda *_a, k=k: meter_ref[0].block_forward(k, False), prepend=True))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake:
+    narrow = NarrowFakes()
+    with fake, narrow:
         model.to_empty(device="cpu")
         batch = spec.batch()
         opt = spec.optimizer(model.parameters()) if spec.optimizer is not None else None
@@ -165,7 +170,8 @@ def run_mode(spec: _Spec, policy: Any) -> _Run:
         h.remove()
     marks = meter.ac2
     run = _Run(marks.peak, marks.start, dict(marks.peak_snap), marks.peak_when, dict(marks.kept), fqns,
-               inputs=dict(marks.inputs), off_peak=marks.off_peak, off_when=marks.off_when)
+               inputs=dict(marks.inputs), off_peak=marks.off_peak, off_when=marks.off_when,
+               substituted=set(narrow.used))
     if recorder is not None:
         run.segments = dict(marks.segments)
         run.fwd0 = marks.marks.get("fwd:0", marks.start)
