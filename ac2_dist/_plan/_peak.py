@@ -284,7 +284,7 @@ class PeakPlanner:
                     f"start is running; on CPU the planner measures a step from a profiler session of its own and "
                     f"two cannot run at once, so it keeps its current plan ({self._describe_choice()}) and measures "
                     f"at the first step that begins after your session ends. To plan first, start profiling once "
-                    f"budget.describe() says 'settled' (within about 3 steps), or read memory with "
+                    f"budget.describe() says 'settled' (within 5 steps), or read memory with "
                     f"ac2_dist.memory.track(...), whose session the planner shares"))
             else:
                 trace = AllocationTrace("cpu")
