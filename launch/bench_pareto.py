@@ -216,6 +216,10 @@ def sweep(name: str, args: argparse.Namespace) -> dict:
     for mode, model in models.items():
         measure(mode, model)
     counter = {"on": False, "flops": 0}
+    fwd = PlainFlops()  # no AC's backward FLOPs: the whole step's minus its forward's
+    with fwd:
+        loss(models["no-ac"], ids)
+    no_ac_backward = no_ac_flops - fwd.flops
     for b in args.budgets:
         torch._dynamo.reset()
         model = compiled(base, b, counter)
@@ -223,12 +227,8 @@ def sweep(name: str, args: argparse.Namespace) -> dict:
         counter.update(on=True, flops=0)
         step(model, ids)
         counter["on"] = False
-        # no AC's backward FLOPs: the whole step's minus its forward's
-        fwd = PlainFlops()
-        with fwd:
-            loss(models["no-ac"], ids)
         models[f"compile-{b}"] = model
-        measure(f"compile-{b}", model, flops=counter["flops"] - (no_ac_flops - fwd.flops))
+        measure(f"compile-{b}", model, flops=counter["flops"] - no_ac_backward)
     floor, top = rows["ac2-floor"]["peak"], rows["no-ac"]["peak"]
     targets = [(f"@compile-{b}", rows[f"compile-{b}"]["peak"]) for b in args.budgets]
     targets += [(f"@{k * 10}%", floor + round(k / 10 * (top - floor))) for k in range(1, 10)]
@@ -320,13 +320,12 @@ def main(argv: list[str] | None = None) -> dict:
     args.budgets = [float(b) for b in args.budgets.split(",") if b]
     if args.dim % 64 or args.steps < 1 or args.rounds < 1:
         p.error("--dim must be a multiple of 64; --steps and --rounds at least 1")
-    torch.set_num_threads(torch.get_num_threads())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     results = [sweep(name, args) for name in args.models.split(",")]
     if args.png:
         plot(results, args.png)
         print(f"wrote {args.png}")
-    return write_json(args.json, {"torch": torch.__version__, "args": {k: v for k, v in vars(args).items()},
+    return write_json(args.json, {"torch": torch.__version__, "args": vars(args),
                                   "models": results})
 
 

@@ -116,3 +116,49 @@ def test_cuts_of_a_recorded_llama_block_replay_nothing_they_banned():
     # the frontier (bytes against estimated time) has the cut or something better in both
     floor = problem.evaluate(frozenset())[0]
     assert any(o.dk <= held - floor and o.seconds <= seconds for o in frontier)
+
+
+class _WritesInALoop(torch.nn.Module):
+    """A block past the exact enumeration (more than 12 candidate outputs) that writes in place
+    through views of a buffer it made, in a loop: ``mul_`` on a ``select``, ``index_put_``,
+    setitem on a ``slice`` of a ``view``."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(d, d) for _ in range(3))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        buf = torch.zeros_like(h)
+        for i in range(3):
+            buf.select(0, i).mul_(0.5).add_(h[i].sigmoid())
+            buf.index_put_((torch.tensor([i + 3]),), (h[i] * h[i + 1]).unsqueeze(0), accumulate=True)
+            buf.view(-1, h.shape[-1])[i + 6:i + 7] = self.b(h[i:i + 1]).relu()
+        return self.c(buf * h).square() + x
+
+
+def _step(model, x):
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    model(x).sum().backward()
+    return [x.grad] + [p.grad for p in model.parameters()]
+
+
+def test_cut_plans_keep_eager_gradients_through_in_place_writes_in_a_loop():
+    import copy
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(*[_WritesInALoop() for _ in range(3)])
+    x = torch.randn(16, 32)
+    want = _step(copy.deepcopy(base), x)
+    floor = ac.apply_ac(copy.deepcopy(base), "recompute_all", modules=[_WritesInALoop])
+    for policy in (ac.MemoryBudget(0.3), ac.MemoryBudget(0.7), ac.MemoryBudget(peak=1 << 30)):
+        model = ac.apply_ac(copy.deepcopy(base), policy, modules=[_WritesInALoop])
+        for _ in range(6):  # a peak target: the floor, its planned steps, settled
+            got = _step(model, x)
+            assert all(torch.equal(a, b) for a, b in zip(want, got)), policy
+        if policy.peak_planner is not None:
+            policy.close()
+            (problem,) = policy.peak_planner.problems.values()
+            assert len(problem.cuttable) > 12 and problem.cuts()  # the cuts were among the options
+    assert all(torch.equal(a, b) for a, b in zip(want, _step(floor, x)))

@@ -10,6 +10,8 @@ Note [A fake kernel narrower than the real one]
     bfloat16 -- the same shape rules, the caller's dtype (``out_dtype`` if given) -- and
     records that it did, so the report can say so. Nothing else changes: the op's
     FLOPs and its output bytes are the op's; a call the meta function accepts goes to it.
+    The mode costs a Python call per op (4 % of a tiny Llama's simulation), so a model
+    whose floating parameters are all bfloat16 runs without it.
 """
 
 from __future__ import annotations
