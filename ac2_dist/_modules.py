@@ -15,15 +15,6 @@ Note [The wrapper holds its module weakly]
     re-points the copy's wrapper at the copied module (through the deepcopy memo) and
     pickling stores the module by reference, so ``copy.deepcopy(model)`` and
     ``torch.save(model)`` keep working.
-
-Note [Prefetch follows data flow]
-    Backward reaches checkpointed modules in reverse data-flow order. Each wrapped
-    forward tags its outputs' autograd nodes (``grad_fn.metadata``) with its graph,
-    and links its own graph to the graphs whose tagged outputs its inputs came from
-    (a bounded walk up the autograd graph from the inputs). So the unit prefetched
-    when a unit's backward starts is the one that produced its inputs in *this*
-    forward, never a unit of an older forward still alive (a kept eval output, a
-    retained loss), and the order is the program's, the same on every rank.
 """
 
 from __future__ import annotations
@@ -32,17 +23,17 @@ import copy
 import dataclasses
 import pickle
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 from ._device import device_of
 from ._dropin import is_ac2_checkpoint
+from ._groups import _Group, check_groups, group_name, group_of
 from ._policy import PolicyLike, PolicySource
 from ._region import _thread_state, apply_ac_policy
-from ._streams import region_streams
+from ._units import after_region, needs_region
 from .compile import (
     announce_eager_only,
     checkpoint_compiled,
@@ -52,13 +43,11 @@ from .compile import (
 )
 from .fsdp import is_fsdp_unit, unsharded_params
 from .offload import Offload
-from .replay import ReplayConfig, check_replay, trace_range
+from .replay import ReplayConfig, check_replay
 
 __all__ = ["apply_ac", "wrap", "unwrap", "is_checkpointed"]
 
 _ATTR = "_ac2_wrap"  # the module's _CheckpointedForward (also its ``forward``)
-_UNIT_KEY = "ac2_dist.unit"  # grad_fn.metadata key: weakref to the producing unit's graph
-_MAX_WALK = 512  # autograd nodes visited to find a unit's producers (Note [Prefetch follows data flow])
 
 ModuleSelector = type | tuple | list | Callable[[str, nn.Module], bool] | None
 
@@ -88,7 +77,7 @@ class _CheckpointedForward:
             if previous is not None:
                 return checkpoint_compiled(previous, self.context_fn, *args, **kwargs)
             return checkpoint_compiled(type(module).forward, self.context_fn, module, *args, **kwargs)
-        if not _needs_region(module, args, kwargs):  # Note [No grad, no region] (_region.py)
+        if not needs_region(module, args, kwargs):  # Note [No grad, no region] (_region.py)
             if previous is not None:
                 return previous(*args, **kwargs)
             return type(module).forward(module, *args, **kwargs)
@@ -102,15 +91,7 @@ class _CheckpointedForward:
                 out = type(module).forward(module, *args, **kwargs)
             if is_fsdp_unit(module):  # our region runs inside FSDP's pre/post-forward
                 _thread_state().graph.mark_fsdp_params(unsharded_params(module), module)
-        if region.graph is not None:
-            _link_for_prefetch(region.graph, self.config, self.source.module_fqn, args, kwargs, out,
-                               device.type == "cuda")
-        else:
-            graph = _thread_state().graph
-            if graph is not None and graph.map is not None:  # nested in a recording region
-                for t in torch.utils._pytree.tree_leaves(out):
-                    if isinstance(t, torch.Tensor):
-                        graph.cut(t)  # Note [Nested modules cut the replay] (_graph.py)
+        after_region(region, self.config, self.source.module_fqn, args, kwargs, out, device.type == "cuda")
         return out
 
     def __deepcopy__(self, memo: dict) -> _CheckpointedForward:
@@ -141,100 +122,6 @@ class _CheckpointedForward:
         module = self._module()
         name = type(module).__name__ if module is not None else "<freed>"
         return f"<ac2_dist checkpointed forward of {name}, policy {self.source.name}>"
-
-
-def _needs_region(module: nn.Module, args: tuple, kwargs: dict) -> bool:
-    """Grad mode on and some input or parameter requires grad (Note [No grad, no region])."""
-    if not torch.is_grad_enabled():
-        return False
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if a.requires_grad:
-                return True
-        elif isinstance(a, (list, tuple, dict)) and _any_requires_grad(a):
-            return True
-    for a in kwargs.values():
-        if isinstance(a, torch.Tensor):
-            if a.requires_grad:
-                return True
-        elif isinstance(a, (list, tuple, dict)) and _any_requires_grad(a):
-            return True
-    return any(p.requires_grad for p in module.parameters())
-
-
-def _any_requires_grad(tree: Any) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in torch.utils._pytree.tree_leaves(tree))
-
-
-def _producers(inputs: list[torch.Tensor]) -> list[weakref.ref]:
-    """Graphs of the checkpointed units whose outputs ``inputs`` were computed from,
-    in a deterministic (breadth-first, argument) order (Note [Prefetch follows data flow])."""
-    found: list[weakref.ref] = []
-    seen_graphs: set[int] = set()
-    visited: set[int] = set()
-    frontier = [t.grad_fn for t in inputs if t.grad_fn is not None]
-    while frontier and len(visited) < _MAX_WALK:
-        nxt = []
-        for fn in frontier:
-            if id(fn) in visited:
-                continue
-            visited.add(id(fn))
-            ref = fn.metadata.get(_UNIT_KEY)
-            if ref is not None:
-                graph = ref()
-                if graph is not None and id(graph) not in seen_graphs:
-                    seen_graphs.add(id(graph))
-                    found.append(ref)
-                continue  # do not look past a unit
-            nxt.extend(f for f, _ in fn.next_functions if f is not None)
-        frontier = nxt
-    return found
-
-
-def _link_for_prefetch(graph: Any, config: ReplayConfig, fqn: str, args: Any, kwargs: Any, out: Any,
-                       on_cuda: bool) -> None:
-    """Note [Prefetching the next unit's replay] (replay.py), linked by data flow (Note
-    [Prefetch follows data flow]): prefetch this unit's producers when its backward starts.
-    ``on_cuda``: the unit runs on CUDA (Note [The device comes from the tensors])."""
-    depth = config.prefetch_depth(region_streams(on_cuda) is not None)  # Note [Stream backends] (_streams.py)
-    log = config.log
-    if depth == 0 and log is None:
-        return
-    leaves = torch.utils._pytree.tree_leaves
-    inputs = [t for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-    outputs = [t for t in leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-    graph.prev, graph.fqn, graph.log = _producers(inputs), fqn, log
-    this = weakref.ref(graph)
-    for t in outputs:
-        if t.grad_fn is not None:
-            t.grad_fn.metadata[_UNIT_KEY] = this
-
-    def backward_starts(_grads: Any) -> None:
-        if log is not None:
-            log("backward_start", fqn)
-        g = this()
-        level = list(g.prev) if g is not None else []
-        done: set[int] = set()
-        for _ in range(depth):
-            nxt: list[weakref.ref] = []
-            for ref in level:
-                unit = ref()
-                if unit is None or id(unit) in done:
-                    continue
-                done.add(id(unit))
-                if log is not None:
-                    log("prefetch_start", unit.fqn)
-                with trace_range("ac2::prefetch"):
-                    unit.prefetch()
-                if log is not None:
-                    log("prefetch_end", unit.fqn)
-                nxt.extend(unit.prev)
-            level = nxt
-
-    if outputs:
-        torch.autograd.graph.register_multi_grad_hook(outputs, backward_starts, mode="any")
-    if log is not None and inputs:
-        torch.autograd.graph.register_multi_grad_hook(inputs, lambda _g: log("backward_end", fqn), mode="any")
 
 
 def wrap(
@@ -278,7 +165,11 @@ def wrap(
 
 
 def unwrap(module: nn.Module) -> nn.Module:
-    """Undo :func:`wrap` (no-op for a module that is not wrapped)."""
+    """Undo :func:`wrap` (no-op for a module that is not wrapped). For a member of a
+    module group (``apply_ac(..., groups=)``) the whole group is undone."""
+    group = group_of(module)
+    if group is not None:
+        group.remove()
     wrapped = module.__dict__.pop(_ATTR, None)
     if wrapped is not None:
         if wrapped.previous is not None:
@@ -321,6 +212,7 @@ def apply_ac(
     rng: str = "save",
     allow_cache_entry_mutation: bool = False,
     replay: ReplayConfig | None = None,
+    groups: Sequence[Sequence[str]] = (),
 ) -> nn.Module:
     """Checkpoint the selected submodules of ``model`` in place; returns ``model``.
 
@@ -345,6 +237,16 @@ def apply_ac(
             ahead backward prefetches them. Without an ``offload`` in it, the selected
             modules share one new :class:`ac2_dist.Offload` (CPU-offloaded saves on
             CUDA follow its asynchronous schedule).
+        groups: lists of module names (fqns) each checkpointed as *one* region under
+            the same policy: it opens when the first of them begins its forward and
+            closes when all of them have run, recording what runs in between. For a
+            causal LM, ``[["model.norm", "lm_head"]]`` keeps only the last layer's
+            output for the final norm and the LM head, where separate regions (or
+            none) keep two or three hidden-state-sized tensors; it pays at long
+            context. If not every member runs (the decoder called without its head),
+            the region closes when the outermost of the members' enclosing modules
+            that was running returns. Eager only: under ``torch.compile`` a group's
+            members run unchecked (a warning says so).
 
     Raises TypeError for arguments of the wrong kind and ValueError if nothing
     matches (a typo in ``modules`` should not silently checkpoint nothing).
@@ -373,9 +275,17 @@ def apply_ac(
         raise ValueError(f"ac2_dist.apply_ac: no submodule of {type(model).__name__} matches {modules!r}")
     if config.offload is None:  # one schedule for the blocks of this model (offload.py)
         config = dataclasses.replace(config, offload=Offload())
+    if groups:
+        # validated before any module is wrapped: a bad group changes nothing
+        check_groups(model, groups, {fqn for fqn, _ in selected}
+                     | {n for n, m in model.named_modules() if m.__dict__.get(_ATTR) is not None})
     for fqn, module in selected:
         wrap(module, policy, policy_factory=policy_factory, rng=rng,
              allow_cache_entry_mutation=allow_cache_entry_mutation, module_fqn=fqn, replay=config)
+    for group in groups:
+        source = PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow_cache_entry_mutation,
+                              module_fqn=group_name(group), where="apply_ac")
+        _Group(model, group, source, config).install()
     watch_steps(policy, model)
     return model
 
@@ -395,7 +305,7 @@ def is_checkpointed(module: nn.Module) -> bool:
     (:func:`ac2_dist.integrations.hf.enable`)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"ac2_dist.is_checkpointed: expected a torch.nn.Module, got {type(module).__name__}")
-    if module.__dict__.get(_ATTR) is not None:
+    if module.__dict__.get(_ATTR) is not None or group_of(module) is not None:
         return True
     # transformers' GradientCheckpointingLayer: a flag and the function it calls.
     func = module.__dict__.get("_gradient_checkpointing_func")

@@ -13,12 +13,19 @@ decoder layers checkpointed. Every system runs the same step (``logits.float().s
 - ``compile-B``: ``torch.compile`` with AOTAutograd, Inductor's decompositions and the
   min-cut partitioner at ``activation_memory_budget`` B (``aot_eager``: the partitioned
   graphs run op by op, so the allocator and the FLOP counter see them);
+- ``sac_milp-M``: torch's optimal SAC solver (``torch.distributed._tools``'s
+  ``sac_milp`` on ``SACEstimator``/``MemTracker`` statistics of a fake step, then its
+  per-module op knapsack) at budget M MiB of its own model of the step, run under
+  torch's SAC; where ``pulp`` and ``pwlf`` are installed (``--sac-milp N`` budgets,
+  evenly spaced from the least it finds feasible to its no-AC peak; see
+  ``sac_milp_peer.py`` for the CPU roofline its runtime estimates use);
 - ``ac2-floor``: ac2 ``"recompute_all"``; ``ac2@X``: ``MemoryBudget(peak=X)`` with X each
   compile point's measured peak (``@compile-B``) and evenly spaced targets from the floor
   to no AC (``@10%``...``@90%``), each on a fresh copy, run ``--steps`` steps (the planner
-  measures, corrects and settles) before it is measured. ``--final-norm``: ac2's regions
-  include the final norm too (compile partitions the whole model; a region keeps its
-  input, so without it the last layer's output and the norm's output stay saved).
+  measures, corrects and settles) before it is measured. ``--head``: ac2 also checkpoints
+  the final norm and the LM head as one region (``apply_ac(..., groups=[[norm,
+  "lm_head"]])``; compile partitions the whole model, and without a head region eager
+  autograd keeps the last layer's output, the norm's normalized value and its output).
 
 Measured, never read from ac2's reports: the step's peak from the allocator's events
 (bytes above what was allocated when the step began: the scale of a CPU peak target,
@@ -48,6 +55,7 @@ from torch.utils.checkpoint import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sac_milp_peer  # noqa: E402
 from bench_common import PlainFlops, measure_memory, timed_rounds, write_json  # noqa: E402
 
 import ac2_dist as ac  # noqa: E402
@@ -188,16 +196,15 @@ def sweep(name: str, args: argparse.Namespace) -> dict:
     base = build(name, args.layers, args.dim, args.seq, args.vocab)
     types = layer_types(base)
     ac2_modules: Any = types
-    if args.final_norm:  # ac2 also checkpoints the final norm (a region of its own)
-        norm = {"gpt2": "transformer.ln_f", "llama": "model.norm"}[name]
-        ac2_modules = lambda fqn, m: isinstance(m, tuple(types)) or fqn == norm  # noqa: E731
+    groups = [["transformer.ln_f" if name == "gpt2" else "model.norm", "lm_head"]] if args.head else []
+    ac2 = functools.partial(ac.apply_ac, modules=ac2_modules, groups=groups)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     models: dict[str, torch.nn.Module] = {
         "no-ac": copy.deepcopy(base),
         "torch-full": with_torch_checkpoint(base, types, titan=False),
         "titan-torch": with_torch_checkpoint(base, types, titan=True),
-        "ac2-floor": ac.apply_ac(copy.deepcopy(base), "recompute_all", modules=ac2_modules),
-        "titan-ac2": ac.apply_ac(copy.deepcopy(base), policy_factory=TitanPolicy, modules=ac2_modules),
+        "ac2-floor": ac2(copy.deepcopy(base), "recompute_all"),
+        "titan-ac2": ac2(copy.deepcopy(base), policy_factory=TitanPolicy),
     }
     rows: dict[str, dict] = {}
     no_ac_flops = counted_flops(models["no-ac"], ids)
@@ -215,6 +222,13 @@ def sweep(name: str, args: argparse.Namespace) -> dict:
           f"no AC's step {no_ac_flops * gf:.1f} GFLOP")
     for mode, model in models.items():
         measure(mode, model)
+    if args.sac_milp:
+        build_fn = functools.partial(build, name, args.layers, args.dim, args.seq, args.vocab)
+        for plan in sac_milp_peer.plans(build_fn, loss, ids, tuple(types), args.sac_milp):
+            mode = f"sac_milp-{plan['budget_gib'] * 1024:.0f}"
+            models[mode] = sac_milp_peer.checkpointed(base, plan)
+            measure(mode, models[mode], budget_gib=plan["budget_gib"], discard=plan["discard"],
+                    solver_peak_gib=plan["solver_peak_gib"])
     counter = {"on": False, "flops": 0}
     fwd = PlainFlops()  # no AC's backward FLOPs: the whole step's minus its forward's
     with fwd:
@@ -234,7 +248,7 @@ def sweep(name: str, args: argparse.Namespace) -> dict:
     targets += [(f"@{k * 10}%", floor + round(k / 10 * (top - floor))) for k in range(1, 10)]
     for label, target in targets:
         budget = ac.MemoryBudget(peak=target)
-        model = ac.apply_ac(copy.deepcopy(base), budget, modules=ac2_modules)
+        model = ac2(copy.deepcopy(base), budget)
         use = [peak(model, ids) / target for _ in range(args.steps)]
         planner = budget.peak_planner
         extra = {"target": target, "use": use, "state": planner.state, "planned_steps": planner.planned_steps,
@@ -284,7 +298,7 @@ def plot(results: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.8), squeeze=False)
     style = {"ac2@": ("o", "C0", "ac2 MemoryBudget(peak=...)"), "compile-": ("s", "C1", "compile min-cut"),
              "torch-full": ("^", "C2", "torch checkpoint"), "titan-torch": ("v", "C3", "torchtitan SAC, torch"),
-             "titan-ac2": ("D", "C4", "torchtitan SAC, ac2"), "ac2-floor": ("*", "C0", "ac2 recompute_all"),
+             "titan-ac2": ("D", "C4", "torchtitan SAC, ac2"), "sac_milp-": ("P", "C5", "torch sac_milp"), "ac2-floor": ("*", "C0", "ac2 recompute_all"),
              "no-ac": ("x", "k", "no AC")}
     for ax, res in zip(axes[0], results):
         for prefix, (marker, color, label) in style.items():
@@ -311,13 +325,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--budgets", default="1.0,0.8,0.6,0.4,0.2,0.0", help="compile's activation_memory_budget points")
     p.add_argument("--steps", type=int, default=6, help="steps each ac2 target runs before it is measured")
-    p.add_argument("--final-norm", action="store_true",
-                   help="ac2 also checkpoints the model's final norm (torch's checkpoint: the layers only)")
+    p.add_argument("--head", action="store_true",
+                   help="ac2 also checkpoints the final norm and the LM head, as one region")
+    p.add_argument("--sac-milp", type=int, default=None,
+                   help="budgets for torch's sac_milp (default 6 where pulp and pwlf are installed, else 0)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None)
     args = p.parse_args(argv)
     args.budgets = [float(b) for b in args.budgets.split(",") if b]
+    if args.sac_milp is None:
+        args.sac_milp = 6 if sac_milp_peer.available() else 0
+        if not args.sac_milp:
+            print("sac_milp left out: pulp or pwlf is not installed (pip install pulp pwlf)")
+    elif args.sac_milp and not sac_milp_peer.available():
+        p.error("--sac-milp needs pulp and pwlf (pip install pulp pwlf)")
     if args.dim % 64 or args.steps < 1 or args.rounds < 1:
         p.error("--dim must be a multiple of 64; --steps and --rounds at least 1")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")

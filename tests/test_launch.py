@@ -11,6 +11,7 @@ import sys
 
 import _hang
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The sweeps' --png needs matplotlib (the 'plot' extra), which the GPU machine does not have.
@@ -255,6 +256,42 @@ def test_bench_pareto_runs(tmp_path):
         if r["mode"].startswith("ac2@"):  # a peak target: no step over it, settled within 4 planned steps
             assert max(r["use"]) <= 1.0 and r["state"] == "settled" and r["planned_steps"] <= 4, r
     assert json.load(open(out_json))["models"][0]["vs_compile"] == model["vs_compile"]
+    import sac_milp_peer
+
+    if sac_milp_peer.available():  # CI's main step installs the 'bench' extra
+        milp = [r for r in rows.values() if r["mode"].startswith("sac_milp-")]
+        assert milp and all(0 < r["peak"] < rows["no-ac"]["peak"] for r in milp), milp
+        ac2_points = [r for r in rows.values() if r["mode"].startswith("ac2")]
+        assert not any(r["dominated_by"] in {m["mode"] for m in milp} for r in ac2_points)
+
+
+def test_sac_milp_plans_run_under_torchs_sac_with_eagers_gradients():
+    """torch's SAC solver's plans (launch/sac_milp_peer.py) checkpoint the layers it chose and
+    keep eager's gradients; each plan saves a subset of every chosen layer's ops."""
+    pytest.importorskip("transformers", reason="the 'test' extra installs transformers")
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import functools
+
+    import bench_pareto
+    import sac_milp_peer
+
+    if not sac_milp_peer.available():
+        pytest.skip("the 'bench' extra (pulp, pwlf) is not installed")
+    build = functools.partial(bench_pareto.build, "llama", 2, 128, 64, 256)
+    base = build()
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    plans = sac_milp_peer.plans(build, bench_pareto.loss, ids, tuple(bench_pareto.layer_types(base)), 3)
+    assert plans
+    base.zero_grad()
+    bench_pareto.loss(base, ids).backward()
+    expected = [p.grad.clone() for p in base.parameters()]
+    for plan in plans:
+        assert plan["discard"] and all(0 < r <= 1 for r in plan["discard"].values())
+        assert all(0 < sum(ops) < len(ops) or plan["discard"][f] == 1 for f, ops in plan["ops"].items())
+        model = sac_milp_peer.checkpointed(base, plan)
+        model.zero_grad()
+        bench_pareto.loss(model, ids).backward()
+        assert all(torch.equal(a, p.grad) for a, p in zip(expected, model.parameters()))
 
 
 @pytest.mark.slow

@@ -62,8 +62,10 @@ import torch
 import transformers
 
 from .._dropin import checkpoint_with, is_ac2_checkpoint
+from .._groups import _Group, group_name, group_of
 from .._modules import watch_steps
 from .._policy import PolicyLike, PolicySource
+from ..replay import check_replay
 
 __all__ = ["enable", "disable", "is_enabled", "torch_checkpointed"]
 
@@ -103,6 +105,7 @@ def enable(
     every_n_layers: int = 1,
     *,
     policy_factory: Callable[[], PolicyLike] | None = None,
+    head: bool = False,
     **region_options: Any,
 ) -> Any:
     """Checkpoint ``model``'s layers with ac2 through HF's mechanism; returns ``model``.
@@ -115,6 +118,11 @@ def enable(
             transformers >= 5.17).
         policy_factory: instead of ``policy``, a zero-argument callable called for every
             layer call (a fresh stateful policy per layer).
+        head: also checkpoint the decoder's final norm and the LM head as one region
+            (``apply_ac``'s ``groups``), under the same policy: only the last layer's
+            output is kept for them (eager keeps two or three hidden-state-sized
+            tensors there), which pays at long context. The norm is the decoder's
+            ``norm``, ``ln_f``, ``final_layer_norm`` or ``norm_f``.
         **region_options: ``rng`` (``"replay"`` by default here: dropout masks are
             regenerated, as HF's torch checkpoint does) and ``allow_cache_entry_mutation``.
 
@@ -156,8 +164,13 @@ def enable(
     allow = region_options.get("allow_cache_entry_mutation", False)
     PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow, module_fqn="", where="integrations.hf.enable")
     func = checkpoint_with(policy, policy_factory=policy_factory, rng=rng, allow_cache_entry_mutation=allow)
+    group = _head_group(hf_model, model) if head else None  # before anything changes
     _hf_enable(hf_model, every_n_layers)
     _install(hf_model, func, model)
+    if group is not None and group_of(model.get_submodule(group[-1])) is None:
+        source = PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow, module_fqn=group_name(group),
+                              where="integrations.hf.enable")
+        _Group(model, group, source, check_replay(None)).install()
     watch_steps(policy, model)  # a peak target's steps begin at the forward of the model users call
     for name in _SWITCHES[:2]:  # Note [A second switch keeps ac2]
         current = hf_model.__dict__.get(name)
@@ -173,6 +186,25 @@ def enable(
             UserWarning, stacklevel=2,
         )
     return model
+
+
+_FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "norm_f")
+
+
+def _head_group(hf_model: Any, named_from: Any) -> list[str]:
+    """The fqns (in ``named_from``) of ``hf_model``'s decoder's final norm and its LM head."""
+    where = "ac2_dist.integrations.hf.enable(head=True)"
+    head = hf_model.get_output_embeddings() if hasattr(hf_model, "get_output_embeddings") else None
+    decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else None
+    norm = next((getattr(decoder, n) for n in _FINAL_NORMS if isinstance(getattr(decoder, n, None), torch.nn.Module)),
+                None) if decoder is not None else None
+    if head is None or norm is None:
+        missing = "an LM head (get_output_embeddings())" if head is None else \
+            f"a final norm ({' / '.join(_FINAL_NORMS)} of its decoder)"
+        raise ValueError(f"{where}: {type(hf_model).__name__} has no {missing}; name the modules yourself with "
+                         f"ac2_dist.apply_ac(model, policy, modules=..., groups=[[norm, head]])")
+    names = {id(m): name for name, m in named_from.named_modules()}
+    return [names[id(norm)], names[id(head)]]
 
 
 def _install(model: Any, func: checkpoint_with, named_from: Any) -> None:
@@ -243,8 +275,13 @@ def _hf_enable(model: Any, every_n_layers: int) -> None:
 
 
 def disable(model: Any) -> Any:
-    """Turn HF's checkpointing off again (HF's own method); returns ``model``."""
+    """Turn HF's checkpointing off again (HF's own method) and the head's region of
+    ``enable(head=True)``; returns ``model``."""
     hf_model = _hf_model(model, "disable")
+    for m in model.modules():
+        group = group_of(m)
+        if group is not None:
+            group.remove()
     name = "activation_checkpointing_disable"
     if not hasattr(type(hf_model), name):  # transformers < 5
         name = "gradient_checkpointing_disable"
