@@ -29,6 +29,7 @@ from torch import nn
 from ._plan import _plan_file
 from ._plan._peak_model import _solve
 from ._sim import _report
+from ._sim._policies import normalize
 from ._sim._report import ModeReport, format_table
 from ._sim._run import _Recorder, _Run, _Spec, run_mode
 from ._sim._world import ddp_refused, fake_world, per_block_shard
@@ -165,33 +166,6 @@ def _options(floor: _Run, fqn: str) -> list:
     return opts
 
 
-def _recompute(floor: _Run, saved_ops: Sequence[Any] | None) -> tuple[int, float]:
-    """(FLOPs, seconds) the blocks recompute: at the floor (``None``) or saving the
-    outputs of ``saved_ops``."""
-    flops, seconds = 0, 0.0
-    for f in floor.fqns:
-        problem = floor.problems.get(floor.structure.get(f, ()))
-        if problem is None:
-            continue
-        saved: frozenset = frozenset()
-        if saved_ops is not None:
-            wanted = set(saved_ops)
-            saved = frozenset(r.seq for r in problem.records.values()
-                              if r.op in wanted or getattr(r.op, "_overloadpacket", None) in wanted)
-        _, sec, recomputed = problem.evaluate(saved)
-        flops += sum(problem.records[s].flops for s in recomputed)
-        seconds += sec
-    return flops, seconds
-
-
-def _mode_name(mode: Any) -> str:
-    if mode == "none":
-        return "no AC"
-    if mode == "full":
-        return "full AC"
-    return "save: " + ",".join(str(getattr(op, "__name__", op)).split(".")[0] for op in mode)
-
-
 def _report(name: str, run: _Run) -> ModeReport:
     return ModeReport(name, run.peak, run.start, run.breakdown, run.when,
                       kept_bytes={run.fqns[k]: v for k, v in run.kept.items()})
@@ -256,6 +230,9 @@ def simulate(
     device: str | tuple[float, float] = "h100",
     dtype: torch.dtype = torch.float32,
     host_link: float | None = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool | str = True,
 ) -> SimulationReport:
     """Simulate one training step of rank ``rank`` of a ``world_size``-rank job.
 
@@ -275,12 +252,29 @@ def simulate(
         loss: ``(model, batch) -> loss`` (default: the output's ``.loss``, else the mean
             of the output).
         optimizer: ``params -> optimizer`` (default AdamW), or None.
-        modes: any of ``"none"``, ``"full"``, or a list of ops to save (a policy).
+        modes: any of ``"none"``, ``"full"``, ``"titan"`` (torchtitan's op-level
+            selective checkpointing: the attention ops, ``reduce_scatter``, ``abs``,
+            ``max`` and every second matmul saved), a list of ops to save, a policy
+            callable ``(ctx, op, *args, **kwargs) -> decision``, a policy factory (a
+            zero-argument callable returning a fresh policy per block call) or a
+            bytes/fraction ``MemoryBudget`` (a peak target is ``target``). A policy
+            that decides while it runs has its recompute counted from the simulated
+            step's replays.
         target: a peak target (bytes or ``"70GiB"``): adds the planned mode
             (:meth:`SimulationReport.plan`).
         device: a named device (a key of ``DEVICES``) or ``(FLOP/s, bytes/s)``: the rates
             recompute is priced with.
-        dtype: the dtype the model computes in (picks the device's FLOP rate).
+        dtype: the dtype the model is built in (its parameters, gradients and
+            optimizer states); without ``param_dtype`` also the one it computes in
+            (picks the device's FLOP rate).
+        param_dtype, reduce_dtype: FSDP2's ``MixedPrecisionPolicy`` (``fsdp="per-block"``):
+            the dtype the unsharded parameters compute in and the one gradients are
+            reduced in (torchtitan's default: ``dtype=torch.float32``,
+            ``param_dtype=torch.bfloat16``, ``reduce_dtype=torch.float32``).
+        reshard_after_forward: ``fsdp="per-block"``'s ``fully_shard`` option for every
+            block: ``True``, ``False``, or ``"all-but-last"`` (torchtitan's: the last
+            block keeps its parameters unsharded after forward, as backward starts
+            with it); the root is resharded.
         host_link: host <-> device bytes/s, one direction, that block-input offload
             is priced at (default: the named device's in ``HOST_LINKS``; 50 GB/s for
             ``(FLOP/s, bytes/s)``).
@@ -322,41 +316,52 @@ def simulate(
         raise ValueError(ddp_refused())
     if fsdp is not None and fsdp != "per-block" and not callable(fsdp):
         raise ValueError(f"ac2_dist.simulate: fsdp must be 'per-block', a function or None, got {fsdp!r}")
-    rates = _rates(device, dtype)
+    for what, value in (("dtype", dtype), ("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            raise ValueError(f"ac2_dist.simulate: {what} must be a floating torch.dtype, got {value!r}")
+    if reshard_after_forward not in (True, False, "all-but-last"):
+        raise ValueError(f"ac2_dist.simulate: reshard_after_forward must be True, False or 'all-but-last', got "
+                         f"{reshard_after_forward!r}")
+    if (param_dtype is not None or reduce_dtype is not None or reshard_after_forward is not True) \
+            and fsdp != "per-block":
+        raise ValueError("ac2_dist.simulate: param_dtype, reduce_dtype and reshard_after_forward apply to "
+                         "fsdp='per-block'; a function given as fsdp wraps the model as it likes")
+    rates = _rates(device, param_dtype or dtype)
     if host_link is not None and (isinstance(host_link, bool) or not isinstance(host_link, (int, float))
                                   or host_link <= 0):
         raise ValueError(f"ac2_dist.simulate: host_link must be a positive number of bytes/s, got {host_link!r}")
     link = float(host_link) if host_link is not None else HOST_LINKS.get(str(device).lower(), 50e9)
     nbytes = parse_size(target, "target") if target is not None else None
-    wanted = list(modes)
+    if isinstance(modes, (str, bytes)):
+        raise ValueError(f"ac2_dist.simulate: modes is a list of modes, got the string {modes!r} (write "
+                         f"modes=[{modes!r}])")
+    wanted = [normalize(m) for m in modes]  # Note [A mode is any policy] (_sim/_policies.py)
     if not wanted and nbytes is None:
         raise ValueError("ac2_dist.simulate: modes is empty and there is no target: nothing to simulate (give "
-                         "'none', 'full', a list of ops to save, or a target)")
-    for m in wanted:
-        if m not in ("none", "full") and not (isinstance(m, (list, tuple)) and m):
-            raise ValueError(f"ac2_dist.simulate: a mode is 'none', 'full' or a non-empty list of ops to save, "
-                             f"got {m!r}")
+                         "'none', 'full', a list of ops to save, a policy, or a target)")
     shard = fsdp if callable(fsdp) else (
-        per_block_shard(blocks, world_size, shard_size) if fsdp == "per-block" else None)
+        per_block_shard(blocks, world_size, shard_size, param_dtype, reduce_dtype, reshard_after_forward)
+        if fsdp == "per-block" else None)
     spec = _Spec(build, blocks, shard, batch, loss or _default_loss, optimizer, rates)
     reports: list[ModeReport] = []
     floor: _Run | None = None
-    need_floor = nbytes is not None or any(m != "none" for m in wanted)
+    need_floor = nbytes is not None or any(m.kind != "none" for m in wanted)
     runs: list[_Run] = []
     with fake_world(world_size, rank):
         if need_floor:
-            floor = run_mode(spec, _Recorder(rates))
+            floor = run_mode(spec, _Recorder(rates), count_replays=True)
             runs.append(floor)
         for m in wanted:
-            if m == "full":
+            if m.kind == "full":
                 run = floor
             else:
-                run = run_mode(spec, None if m == "none" else list(m))
+                run = run_mode(spec, m.policy, m.factory, count_replays=m.kind != "none")
                 runs.append(run)
             assert run is not None
-            r = _report(_mode_name(m), run)
-            if m != "none" and floor is not None:
-                r.recompute_flops, r.recompute_seconds = _recompute(floor, None if m == "full" else list(m))
+            r = _report(m.name, run)
+            if m.kind != "none" and floor is not None:
+                assert run.replayed is not None
+                r.recompute_flops, r.recompute_seconds = run.replayed
                 _boundary(r, run, floor, rates, link)
             reports.append(r)
     report = SimulationReport(spec, world_size, rank, device if isinstance(device, str) else "custom", reports,

@@ -108,3 +108,67 @@ def simulated(modes: list[Any], target: Any = None) -> Any:
 
     return simulate(build, batch=batch, blocks=[block_type()], world_size=2, rank=0, modes=modes, target=target,
                     device="cpu")
+
+
+def save_mm(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> bool:
+    """A policy callable (the save list [mm] written as a function)."""
+    return op is torch.ops.aten.mm.default
+
+
+#: name -> (policy, policy factory name, FSDP2 mixed precision, reshard_after_forward of the blocks)
+POLICY_CASES = {
+    "titan": (None, "titan", False, True),
+    "fn": ("save_mm", None, False, True),
+    "mp-none": (None, None, True, True),
+    "mp-full": ("recompute_all", None, True, True),
+    "abl-full": ("recompute_all", None, False, "all-but-last"),
+    "none": (None, None, False, True),
+}
+
+
+def _measure_policy(name: str) -> dict:
+    from bench_common import PlainFlops
+    from bench_simulate import alive, train_step
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import ac2_dist as ac
+    from ac2_dist._measure._alloc import AllocationTrace
+    from ac2_dist._sim._policies import TorchtitanOpSAC
+
+    policy, factory, mp, reshard = POLICY_CASES[name]
+    torch.manual_seed(0)
+    model = build()
+    if factory == "titan":
+        ac.apply_ac(model, policy_factory=TorchtitanOpSAC, modules=[block_type()])
+    elif policy is not None:
+        ac.apply_ac(model, save_mm if policy == "save_mm" else policy, modules=[block_type()])
+    kwargs: dict[str, Any] = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                reduce_dtype=torch.float32)} if mp else {}
+    layers = list(model.model.layers)
+    for k, layer in enumerate(layers):
+        fully_shard(layer, reshard_after_forward=reshard if reshard != "all-but-last" else k < len(layers) - 1,
+                    **kwargs)
+    fully_shard(model, **kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    torch.manual_seed(1)
+    b = batch()
+    train_step(model, opt, b)
+    peaks = []
+    for _ in range(5):
+        start = alive(model, opt, b)
+        with AllocationTrace() as trace:
+            train_step(model, opt, b)
+        peaks.append(start + trace.whole.peak_bytes)
+    counter = PlainFlops()
+    with counter:
+        loss = model(**b).loss
+        loss.backward()
+    del loss
+    # Note [A measured CPU step varies with gloo's threads] in tests/test_simulate.py
+    return {"peak": min(peaks), "peaks": peaks, "flops": counter.flops}
+
+
+def measure_policies_rank(rank: int, world: int, names: list[str]) -> dict:
+    """Per name of :data:`POLICY_CASES`: the lowest absolute peak of steps 2-6 on this rank
+    and the FLOPs of one forward + backward."""
+    return {name: _measure_policy(name) for name in names}

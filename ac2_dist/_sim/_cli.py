@@ -39,13 +39,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="per-rank batch size")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES))
+    p.add_argument("--param-dtype", default=None, choices=sorted(_DTYPES),
+                   help="FSDP2 mixed precision: the dtype the blocks compute in (--dtype: parameters, gradients, "
+                        "optimizer states)")
+    p.add_argument("--reduce-dtype", default=None, choices=sorted(_DTYPES),
+                   help="FSDP2 mixed precision: the dtype gradients are reduced in")
+    p.add_argument("--reshard-after-forward", default="true", choices=["true", "false", "all-but-last"],
+                   help="fully_shard's option for every block (all-but-last: torchtitan's, the last block stays "
+                        "unsharded after forward)")
     p.add_argument("--fsdp", default="per-block", choices=["per-block", "none"])
     p.add_argument("--ddp", action="store_true", help="a DDP job: refused (torch's DDP does not run under the "
                                                        "fake process group); the message says what to run instead")
     p.add_argument("--shard-size", type=int, default=None, help="HSDP: shard over groups of this many ranks")
     p.add_argument("--blocks", default=None, help="comma-separated class names of the blocks to checkpoint "
                                                   "(default: the model's _no_split_modules)")
-    p.add_argument("--modes", default="none,full", help="comma-separated: none, full")
+    p.add_argument("--modes", default="none,full", help="comma-separated: none, full, titan (torchtitan's op-level "
+                                                        "SAC: attention, reduce_scatter, abs, max and every second "
+                                                        "matmul saved)")
     p.add_argument("--save-ops", default=None, help="adds a save-list mode: comma-separated aten ops "
                                                     "(mm, addmm, aten.mm.default, ...)")
     p.add_argument("--target", default=None, help="a peak target, e.g. 70GiB: adds the planned mode")
@@ -150,8 +160,13 @@ def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
         _check_plan_out(args.plan_out)
     modes: list[Any] = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes and not args.save_ops and not args.target:
-        raise _Refused(f"--modes {args.modes!r} names no mode: give none, full (comma-separated), --save-ops or "
-                       "--target")
+        raise _Refused(f"--modes {args.modes!r} names no mode: give none, full, titan (comma-separated), --save-ops "
+                       "or --target")
+    unknown = [m for m in modes if m not in ("none", "full", "titan")]
+    if unknown:
+        raise _Refused(f"--modes: {unknown[0]!r} is not a mode; name none, full or titan (a save list: --save-ops)")
+    if args.fsdp == "none" and (args.param_dtype or args.reduce_dtype or args.reshard_after_forward != "true"):
+        raise _Refused("--param-dtype, --reduce-dtype and --reshard-after-forward apply to --fsdp per-block")
     batch_fn = None
     if args.hf_config:
         build, config = _hf(args.hf_config, dtype)
@@ -201,7 +216,11 @@ def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
                       fsdp=None if args.fsdp == "none" else "per-block", shard_size=args.shard_size,
                       optimizer=None if args.optimizer == "none" else _adamw_default(), modes=modes,
                       target=args.target if target is not None else None, device=args.device, dtype=dtype,
-                      host_link=args.host_link * 1e9 if args.host_link is not None else None)
+                      host_link=args.host_link * 1e9 if args.host_link is not None else None,
+                      param_dtype=_DTYPES[args.param_dtype] if args.param_dtype else None,
+                      reduce_dtype=_DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
+                      reshard_after_forward={"true": True, "false": False}.get(args.reshard_after_forward,
+                                                                                args.reshard_after_forward))
     print(report.format())
     if args.plan_out:
         report.save_plan(args.plan_out)

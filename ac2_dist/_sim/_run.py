@@ -31,6 +31,7 @@ from .._plan._budget_region import _BudgetRegion
 from ..budget import MemoryBudget
 from ._kernels import NarrowFakes
 from ._meter import make_meter
+from ._policies import _ReplayCost
 
 __all__: list[str] = []
 
@@ -70,6 +71,9 @@ class _Run:
     # calls answered for a fake kernel narrower than the real one (Note [A fake kernel
     # narrower than the real one] in _kernels.py)
     substituted: set[str] = field(default_factory=set)
+    # FLOPs and seconds of the counted step's replays (Note [A mode is any policy] in
+    # _sim/_policies.py); None where the mode's recompute is read from the floor's problems
+    replayed: tuple[int, float] | None = None
 
 
 class _Recorder(MemoryBudget):
@@ -124,13 +128,17 @@ def _tracker_names(model: nn.Module, fqns: Iterable[str]) -> dict[str, int]:
     return {f"{root}.{f}" if f else root: k for k, f in enumerate(fqns)}
 
 
-def run_mode(spec: _Spec, policy: Any) -> _Run:
+def run_mode(spec: _Spec, policy: Any, factory: Any = None, count_replays: bool = False) -> _Run:
     """Simulate two steps under ``policy`` (None: no AC; a list of ops; a
-    :class:`_Recorder`) and count the second (Note [A step without data])."""
+    :class:`_Recorder`; any policy ``apply_ac`` takes) or ``factory`` (a policy
+    factory) and count the second (Note [A step without data]); ``count_replays``:
+    price the second step's replays (Note [A mode is any policy] in _sim/_policies.py)."""
     with torch.device("meta"):
         model = spec.build()
     recorder = policy if isinstance(policy, _Recorder) else None
-    if policy is not None:
+    if factory is not None:
+        apply_ac(model, policy_factory=factory, modules=spec.blocks)
+    elif policy is not None:
         apply_ac(model, policy, modules=spec.blocks)
     fqns = [name for name, _ in _select(model, spec.blocks)]
     if spec.shard is not None:
@@ -155,8 +163,9 @@ def run_mode(spec: _Spec, policy: Any) -> _Run:
         meter = make_meter(model, opt, _tracker_names(model, fqns))
         meter_ref.append(meter)
         meter.track_external(*[t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)])
+        replays = _ReplayCost(spec.rates) if count_replays else None
         for step in range(2):
-            with meter:
+            with meter, (replays if replays is not None and step == 1 else contextlib.nullcontext()):
                 if step == 1:
                     meter.begin_step()
                     if recorder is not None:
@@ -176,6 +185,8 @@ def run_mode(spec: _Spec, policy: Any) -> _Run:
     run = _Run(marks.peak, marks.start, dict(marks.peak_snap), marks.peak_when, dict(marks.kept), fqns,
                inputs=dict(marks.inputs), off_peak=marks.off_peak, off_when=marks.off_when,
                substituted=set(narrow.used) if isinstance(narrow, NarrowFakes) else set())
+    if replays is not None:
+        run.replayed = (replays.flops, replays.seconds)
     if recorder is not None:
         run.segments = dict(marks.segments)
         run.fwd0 = marks.marks.get("fwd:0", marks.start)

@@ -48,10 +48,14 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def per_block_shard(blocks: Any, world_size: int, shard_size: int | None) -> Callable[[nn.Module], None]:
+def per_block_shard(blocks: Any, world_size: int, shard_size: int | None, param_dtype: torch.dtype | None = None,
+                    reduce_dtype: torch.dtype | None = None,
+                    reshard_after_forward: bool | str = True) -> Callable[[nn.Module], None]:
     """``fully_shard`` each selected block, then the root (HSDP over a
-    ``(world_size / shard_size, shard_size)`` mesh when ``shard_size`` is given)."""
-    from torch.distributed.fsdp import fully_shard
+    ``(world_size / shard_size, shard_size)`` mesh when ``shard_size`` is given), with
+    FSDP2's mixed precision and, per block, ``reshard_after_forward`` (``"all-but-last"``:
+    the last block's is False, torchtitan's choice)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from .._modules import _select
 
@@ -62,8 +66,12 @@ def per_block_shard(blocks: Any, world_size: int, shard_size: int | None) -> Cal
 
             kwargs["mesh"] = init_device_mesh("cpu", (world_size // shard_size, shard_size),
                                               mesh_dim_names=("replicate", "shard"))
-        for _, m in _select(model, blocks):
-            fully_shard(m, **kwargs)
+        if param_dtype is not None or reduce_dtype is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        selected = _select(model, blocks)
+        for k, (_, m) in enumerate(selected):
+            reshard = reshard_after_forward if reshard_after_forward != "all-but-last" else k < len(selected) - 1
+            fully_shard(m, reshard_after_forward=reshard, **kwargs)
         fully_shard(model, **kwargs)
 
     return shard
