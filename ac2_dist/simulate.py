@@ -131,6 +131,7 @@ class SimulationReport:
                 run = run_mode(self._spec, _Recorder(self._spec.rates, plans))
             report.peak_bytes, report.breakdown, report.when = run.peak, run.breakdown, run.when
             report.kept_bytes = {fqns[k]: v for k, v in run.kept.items()}
+            report.reserved_bytes, report.reserved_expandable_bytes = run.reserved
             _boundary(report, run, floor, self._spec.rates, self._link)
         meta = {"target": nbytes, "predicted_peak": predicted, "step_start": origin,
                 "world_size": self.world_size, "rank": self.rank,
@@ -168,7 +169,8 @@ def _options(floor: _Run, fqn: str) -> list:
 
 def _report(name: str, run: _Run) -> ModeReport:
     return ModeReport(name, run.peak, run.start, run.breakdown, run.when,
-                      kept_bytes={run.fqns[k]: v for k, v in run.kept.items()})
+                      kept_bytes={run.fqns[k]: v for k, v in run.kept.items()},
+                      reserved_bytes=run.reserved[0], reserved_expandable_bytes=run.reserved[1])
 
 
 def _boundary(r: ModeReport, run: _Run, floor: _Run | None, rates: tuple[float, float], link: float) -> None:

@@ -106,6 +106,7 @@ class AllocationTrace:
     #: op names whose calls are recorded (time_ns, name) in ``calls`` (e.g. all-gathers)
     watch: frozenset = frozenset()
     events: list[tuple[int, int]] = field(default_factory=list)  # (time_ns, +/- bytes)
+    allocations: list[tuple[int, int, int]] = field(default_factory=list)  # (time_ns, address, +/- bytes)
     calls: list[tuple[int, str]] = field(default_factory=list)
     marks: list[tuple[int, str]] = field(default_factory=list)
     phases: dict[str, Phase] = field(default_factory=dict)
@@ -208,6 +209,7 @@ class AllocationTrace:
                 # re-entry): count only the outermost one.
                 self.calls.append((e.start_time_ns, name))
         self.events = _paired(allocations)
+        self.allocations = allocations  # (time_ns, address, +/- bytes), time order (for allocator models)
         self.marks.sort()
         self.plan_marks.sort()
         self.calls.sort()

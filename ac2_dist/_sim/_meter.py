@@ -22,6 +22,22 @@ Note [The simulated step is counted by torch's tracker]
     begins (after FSDP's all-gather, as the region enters) and ``bwd:k`` where its
     backward first reads a saved value.
 
+Note [Reserved bytes: the allocations through the caching allocator's model]
+    torchtitan and ``nvidia-smi``-minded users read *reserved* memory
+    (``torch.cuda.max_memory_reserved``): what the caching allocator took from the
+    device, allocated or cached free. The meter sends every storage the tracker sees
+    appear, die or resize (FSDP2's reshard frees by ``resize_(0)``) through two models of
+    the allocator (Note [The caching allocator, modelled] in _sim/_allocator.py), one
+    with ``expandable_segments`` and one without, in the order the step makes them,
+    from the first step on (segments reserved in step 1 stay reserved); the counted
+    step's peak reserved is each model's high-water mark during it. On a GPU FSDP2 runs
+    its all-gathers and reduce-scatters on streams of their own, whose blocks come from
+    those streams' pools: the tracker's all-gather and reduce-scatter buffers are
+    allocated on such streams here, the rest on the default stream. What the model
+    leaves out: the kernels' workspaces and the CUDA context (not allocations the
+    tracker sees), blocks ``record_stream`` holds past a free (the fake step has no
+    time), ``max_split_size_mb`` and the other allocator settings.
+
 Note [The boundary offloaded, counted from the same step]
     ``Offload(block_inputs=True)`` moves block inputs off the device on a fixed schedule
     (Note [Offloaded block inputs] in offload.py), so the step it would run is this
@@ -53,6 +69,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from ..offload import Offload
+from ._allocator import CachingAllocator
 
 __all__: list[str] = []
 
@@ -85,6 +102,16 @@ class _Marks:
         self.bwd_low: int | None = None  # the lowest block whose backward ran this step
         self.off_peak = 0
         self.off_when = "-"
+        # Note [Reserved bytes: the allocations through the caching allocator's model]
+        self.allocators = (CachingAllocator(), CachingAllocator(expandable_segments=True))
+        self.live: dict[int, list] = {}  # id(tracker's storage info) -> its block in each model
+
+
+def _stream(reftype: Any) -> str:
+    """The stream a storage of the tracker's category ``reftype`` is allocated on (Note
+    [Reserved bytes: the allocations through the caching allocator's model])."""
+    name = str(getattr(reftype, "value", reftype))
+    return name if name in ("All Gather", "Reduce Scatter") else "default"
 
 
 def _total(snap: dict[Any, dict[str, int]]) -> int:
@@ -111,6 +138,24 @@ def make_meter(model: nn.Module, optimizer: torch.optim.Optimizer | None, blocks
             marks.segment, marks.segments, marks.marks = None, {}, {}
             marks.kept, marks.fwd_start = {}, {}
             marks.inputs, marks.bwd_low, marks.off_peak, marks.off_when = {}, None, marks.start, "start of the step"
+            for a in marks.allocators:  # the counted step's high-water marks
+                a.peak_reserved, a.peak_allocated = a.reserved, a.allocated
+
+        def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None,
+                         old_reftype: Any = None) -> None:
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+            # Note [Reserved bytes: the allocations through the caching allocator's model]
+            kind = str(getattr(u_type, "name", u_type))
+            if kind == "REF":
+                return
+            marks = self.ac2
+            old = marks.live.pop(id(winfo), None)
+            if old is not None:
+                for a, block in zip(marks.allocators, old):
+                    a.free(block)
+            if kind != "DEL" and winfo.mem_consumed > 0:
+                stream = _stream(winfo.reftype)
+                marks.live[id(winfo)] = [a.malloc(winfo.mem_consumed, stream) for a in marks.allocators]
 
         def total(self) -> int:
             return _total(self._curr_mem_snap)
@@ -150,7 +195,23 @@ def make_meter(model: nn.Module, optimizer: torch.optim.Optimizer | None, blocks
 
         def _off_device(self) -> int:
             """Bytes of block inputs on the host now under ``Offload(block_inputs=True)``
-            (Note [The boundary offloaded, counted from the same step])."""
+            (Note [Reserved bytes: the allocations through the caching allocator's model]
+    torchtitan and ``nvidia-smi``-minded users read *reserved* memory
+    (``torch.cuda.max_memory_reserved``): what the caching allocator took from the
+    device, allocated or cached free. The meter sends every storage the tracker sees
+    appear, die or resize (FSDP2's reshard frees by ``resize_(0)``) through two models of
+    the allocator (Note [The caching allocator, modelled] in _sim/_allocator.py), one
+    with ``expandable_segments`` and one without, in the order the step makes them,
+    from the first step on (segments reserved in step 1 stay reserved); the counted
+    step's peak reserved is each model's high-water mark during it. On a GPU FSDP2 runs
+    its all-gathers and reduce-scatters on streams of their own, whose blocks come from
+    those streams' pools: the tracker's all-gather and reduce-scatter buffers are
+    allocated on such streams here, the rest on the default stream. What the model
+    leaves out: the kernels' workspaces and the CUDA context (not allocations the
+    tracker sees), blocks ``record_stream`` holds past a free (the fake step has no
+    time), ``max_split_size_mb`` and the other allocator settings.
+
+Note [The boundary offloaded, counted from the same step])."""
             marks = self.ac2
             if self._in_opt or not marks.inputs:
                 return 0

@@ -74,6 +74,10 @@ class _Run:
     # FLOPs and seconds of the counted step's replays (Note [A mode is any policy] in
     # _sim/_policies.py); None where the mode's recompute is read from the floor's problems
     replayed: tuple[int, float] | None = None
+    # the counted step's peak reserved bytes, caching allocator model without and with
+    # expandable_segments (Note [Reserved bytes: the allocations through the caching
+    # allocator's model] in _sim/_meter.py)
+    reserved: tuple[int, int] = (0, 0)
 
 
 class _Recorder(MemoryBudget):
@@ -185,6 +189,7 @@ def run_mode(spec: _Spec, policy: Any, factory: Any = None, count_replays: bool 
     run = _Run(marks.peak, marks.start, dict(marks.peak_snap), marks.peak_when, dict(marks.kept), fqns,
                inputs=dict(marks.inputs), off_peak=marks.off_peak, off_when=marks.off_when,
                substituted=set(narrow.used) if isinstance(narrow, NarrowFakes) else set())
+    run.reserved = (marks.allocators[0].peak_reserved, marks.allocators[1].peak_reserved)
     if replays is not None:
         run.replayed = (replays.flops, replays.seconds)
     if recorder is not None:
