@@ -30,6 +30,7 @@ Note [A group region spans its members' forwards]
 
 from __future__ import annotations
 
+import copy
 import sys
 import threading
 import weakref
@@ -181,8 +182,6 @@ class _Group:
 
     # ---- copies --------------------------------------------------------------------------
     def __deepcopy__(self, memo: dict) -> _Group:
-        import copy
-
         root = self.root()
         new = _Group.__new__(_Group)
         memo[id(self)] = new

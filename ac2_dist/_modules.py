@@ -277,8 +277,7 @@ def apply_ac(
         config = dataclasses.replace(config, offload=Offload())
     if groups:
         # validated before any module is wrapped: a bad group changes nothing
-        check_groups(model, groups, {fqn for fqn, _ in selected}
-                     | {n for n, m in model.named_modules() if m.__dict__.get(_ATTR) is not None})
+        check_groups(model, groups, {fqn for fqn, _ in selected} | wrapped_fqns(model))
     for fqn, module in selected:
         wrap(module, policy, policy_factory=policy_factory, rng=rng,
              allow_cache_entry_mutation=allow_cache_entry_mutation, module_fqn=fqn, replay=config)
@@ -288,6 +287,11 @@ def apply_ac(
         _Group(model, group, source, config).install()
     watch_steps(policy, model)
     return model
+
+
+def wrapped_fqns(model: nn.Module) -> set[str]:
+    """The paths in ``model`` of the modules :func:`wrap` checkpointed."""
+    return {n for n, m in model.named_modules() if m.__dict__.get(_ATTR) is not None}
 
 
 def watch_steps(policy: Any, model: nn.Module) -> None:

@@ -39,14 +39,9 @@ def block_type() -> type:
 
 
 def _measure_mode(mode: str, plan: str | None, target: int | None) -> dict:
-    # launch/'s measuring helpers (tests/conftest.py puts launch/ on sys.path; the
-    # factory above is imported without it, by the CLI test)
-    from bench_common import PlainFlops
-    from bench_simulate import alive, train_step
     from torch.distributed.fsdp import fully_shard
 
     import ac2_dist as ac
-    from ac2_dist._measure._alloc import AllocationTrace
 
     torch.manual_seed(0)
     model = build()
@@ -65,24 +60,40 @@ def _measure_mode(mode: str, plan: str | None, target: int | None) -> dict:
     torch.manual_seed(1)
     b = batch()
 
-    def measured_step() -> tuple[int, int]:
-        """One training step: (bytes alive at its start, its absolute peak from the allocator)."""
-        start = alive(model, opt, b)
-        with AllocationTrace() as trace:
-            train_step(model, opt, b)
-        return start, start + trace.whole.peak_bytes
-
     if mode == "plan":  # steps 1-3 measured: step 1 follows the file, the planner verifies from there
         peaks = []
         for _ in range(3):
-            peaks.append(measured_step()[1])
+            peaks.append(_measured_step(model, opt, b)[1])
             if len(peaks) == 1:
                 calibrations = budget._calibrations
         history = [(r.step, r.what, r.predicted, r.measured, r.note) for r in budget.peak_planner.history]
         return {"peaks": peaks, "calibrations": calibrations, "calibrations_after": budget._calibrations,
                 "history": history, "state": budget.peak_planner.state}
-    train_step(model, opt, b)  # step 1 creates the optimizer's states; steps 2-6 are measured
-    steps = [measured_step() for _ in range(5)]
+    return _steps_2_to_6(model, opt, b)
+
+
+def _measured_step(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict) -> tuple[int, int]:
+    """One training step: (bytes alive at its start, its absolute peak from the allocator)."""
+    # launch/'s measuring helpers (tests/conftest.py puts launch/ on sys.path; the
+    # factory above is imported without it, by the CLI test)
+    from bench_simulate import alive, train_step
+
+    from ac2_dist._measure._alloc import AllocationTrace
+
+    start = alive(model, opt, b)
+    with AllocationTrace() as trace:
+        train_step(model, opt, b)
+    return start, start + trace.whole.peak_bytes
+
+
+def _steps_2_to_6(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict) -> dict:
+    """Step 1 creates the optimizer's states; steps 2-6 are measured (bytes alive at the
+    last one's start, the absolute peaks); then the FLOPs of one forward + backward."""
+    from bench_common import PlainFlops
+    from bench_simulate import train_step
+
+    train_step(model, opt, b)
+    steps = [_measured_step(model, opt, b) for _ in range(5)]
     start, peaks = steps[-1][0], [peak for _, peak in steps]
     # Note [A measured CPU step varies with gloo's threads] in tests/test_simulate.py
     out: dict[str, Any] = {"peak": min(peaks), "peaks": peaks, "start": start}
@@ -127,12 +138,9 @@ POLICY_CASES = {
 
 
 def _measure_policy(name: str) -> dict:
-    from bench_common import PlainFlops
-    from bench_simulate import alive, train_step
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import ac2_dist as ac
-    from ac2_dist._measure._alloc import AllocationTrace
     from ac2_dist._sim._policies import TorchtitanOpSAC
 
     policy, factory, mp, reshard = POLICY_CASES[name]
@@ -151,21 +159,7 @@ def _measure_policy(name: str) -> dict:
     fully_shard(model, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     torch.manual_seed(1)
-    b = batch()
-    train_step(model, opt, b)
-    peaks = []
-    for _ in range(5):
-        start = alive(model, opt, b)
-        with AllocationTrace() as trace:
-            train_step(model, opt, b)
-        peaks.append(start + trace.whole.peak_bytes)
-    counter = PlainFlops()
-    with counter:
-        loss = model(**b).loss
-        loss.backward()
-    del loss
-    # Note [A measured CPU step varies with gloo's threads] in tests/test_simulate.py
-    return {"peak": min(peaks), "peaks": peaks, "flops": counter.flops}
+    return _steps_2_to_6(model, opt, batch())
 
 
 def measure_policies_rank(rank: int, world: int, names: list[str]) -> dict:

@@ -202,28 +202,49 @@ def test_group_under_torch_compile_runs_its_members_plainly():
 def _fsdp_head(rank, world):
     from torch.distributed.fsdp import fully_shard
 
+    from ac2_dist import _groups
+
+    recorded = []  # collectives each group region recorded (its all-gather must run before it opens)
+    after = _groups.after_region
+
+    def spy(region, *args, **kwargs):
+        recorded.append(region.stats.collectives)
+        return after(region, *args, **kwargs)
+
+    _groups.after_region = spy
     results = {}
-    for with_group in (False, True):
+    for order in ("none", "ac2 first", "fsdp first"):
         torch.manual_seed(0)
         model = _model("llama")
-        model.config.attn_pdrop = 0.0
-        if with_group:
+
+        def checkpoint(model=model):
             ac.apply_ac(model, "recompute_all", modules=_layers(model), groups=[["model.norm", "lm_head"]])
+
+        if order == "ac2 first":
+            checkpoint()
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard([model.model.norm, model.lm_head])  # FSDP2's own group: one unit over the head
         fully_shard(model)
+        if order == "fsdp first":
+            checkpoint()
         ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(10 + rank))
         for _ in range(2):
             model.zero_grad(set_to_none=True)
+            torch.manual_seed(5)  # the same generator state in every order
             model(input_ids=ids, use_cache=False).logits.float().square().mean().backward()
-        results[with_group] = [p.grad.full_tensor() for p in model.parameters()]
+        results[order] = [p.grad.full_tensor() for p in model.parameters()]
         assert _clean()
-    return all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
+    same = all(all(torch.equal(a, b) for a, b in zip(results["none"], results[o])) for o in ("ac2 first", "fsdp first"))
+    return same, recorded
 
 
 def test_group_under_fsdp2_with_the_head_as_one_unit():
-    assert run_ranks(_fsdp_head) == [True, True]
+    """Either order of apply_ac and fully_shard: eager's gradients, and the head unit's
+    all-gather runs before the group's region opens (the region records no collective)."""
+    for same, recorded in run_ranks(_fsdp_head):
+        assert same
+        assert recorded == [0] * 4, recorded  # two orders x two steps
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -239,6 +260,32 @@ def test_hf_enable_head_checkpoints_the_final_norm_and_lm_head(name):
     assert b["kept"] <= a["kept"] - (2 if name == "llama" else 1) * HIDDEN
     hf.disable(head)
     assert not ac.is_checkpointed(head.lm_head) and _clean()
+
+
+def test_hf_enable_head_again_replaces_the_region_and_refuses_a_checkpointed_head():
+    from ac2_dist.integrations import hf
+
+    base = _model("llama")
+    from ac2_dist._groups import _Hook
+
+    def ours(m):  # the groups' hooks (HF's switch adds a hook of its own at each enable)
+        return {n: sum(isinstance(h, _Hook) for h in [*x._forward_pre_hooks.values(), *x._forward_hooks.values()])
+                for n, x in m.named_modules()}
+
+    model = hf.enable(copy.deepcopy(base), "recompute_all", rng="save", head=True)
+    hooks = ours(model)
+    assert hooks["lm_head"] == 2 and hooks[""] == 2
+    recompute = step_memory(model, _loss)["kept"]
+    hf.enable(model, "must_save_all", rng="save", head=True)  # a second enable: one group, the new policy
+    assert ours(model) == hooks
+    got = step_memory(model, _loss)
+    assert got["kept"] > recompute
+    assert_bitwise(step_memory(base, _loss)["grads"], got["grads"])
+    other = copy.deepcopy(base)
+    ac.wrap(other.lm_head, "recompute_all")
+    with pytest.raises(ValueError, match="already checkpointed"):
+        hf.enable(other, head=True)
+    assert not hf.is_enabled(other) and not ac.is_checkpointed(other.model.norm)
 
 
 def test_hf_enable_head_refuses_a_model_without_a_final_norm():

@@ -66,7 +66,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
 
 from ..offload import Offload
 from ._allocator import CachingAllocator
@@ -145,15 +145,14 @@ def make_meter(model: nn.Module, optimizer: torch.optim.Optimizer | None, blocks
                          old_reftype: Any = None) -> None:
             super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
             # Note [Reserved bytes: the allocations through the caching allocator's model]
-            kind = str(getattr(u_type, "name", u_type))
-            if kind == "REF":
+            if u_type == _UpdateType.REF:  # a category change: the same block
                 return
             marks = self.ac2
             old = marks.live.pop(id(winfo), None)
             if old is not None:
                 for a, block in zip(marks.allocators, old):
                     a.free(block)
-            if kind != "DEL" and winfo.mem_consumed > 0:
+            if u_type != _UpdateType.DEL and winfo.mem_consumed > 0:  # ADD, or SIZE: the new size
                 stream = _stream(winfo.reftype)
                 marks.live[id(winfo)] = [a.malloc(winfo.mem_consumed, stream) for a in marks.allocators]
 
@@ -195,23 +194,7 @@ def make_meter(model: nn.Module, optimizer: torch.optim.Optimizer | None, blocks
 
         def _off_device(self) -> int:
             """Bytes of block inputs on the host now under ``Offload(block_inputs=True)``
-            (Note [Reserved bytes: the allocations through the caching allocator's model]
-    torchtitan and ``nvidia-smi``-minded users read *reserved* memory
-    (``torch.cuda.max_memory_reserved``): what the caching allocator took from the
-    device, allocated or cached free. The meter sends every storage the tracker sees
-    appear, die or resize (FSDP2's reshard frees by ``resize_(0)``) through two models of
-    the allocator (Note [The caching allocator, modelled] in _sim/_allocator.py), one
-    with ``expandable_segments`` and one without, in the order the step makes them,
-    from the first step on (segments reserved in step 1 stay reserved); the counted
-    step's peak reserved is each model's high-water mark during it. On a GPU FSDP2 runs
-    its all-gathers and reduce-scatters on streams of their own, whose blocks come from
-    those streams' pools: the tracker's all-gather and reduce-scatter buffers are
-    allocated on such streams here, the rest on the default stream. What the model
-    leaves out: the kernels' workspaces and the CUDA context (not allocations the
-    tracker sees), blocks ``record_stream`` holds past a free (the fake step has no
-    time), ``max_split_size_mb`` and the other allocator settings.
-
-Note [The boundary offloaded, counted from the same step])."""
+            (Note [The boundary offloaded, counted from the same step])."""
             marks = self.ac2
             if self._in_opt or not marks.inputs:
                 return 0

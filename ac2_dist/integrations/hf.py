@@ -62,8 +62,8 @@ import torch
 import transformers
 
 from .._dropin import checkpoint_with, is_ac2_checkpoint
-from .._groups import _Group, group_name, group_of
-from .._modules import watch_steps
+from .._groups import _Group, check_groups, group_name, group_of
+from .._modules import watch_steps, wrapped_fqns
 from .._policy import PolicyLike, PolicySource
 from ..replay import check_replay
 
@@ -122,7 +122,9 @@ def enable(
             (``apply_ac``'s ``groups``), under the same policy: only the last layer's
             output is kept for them (eager keeps two or three hidden-state-sized
             tensors there), which pays at long context. The norm is the decoder's
-            ``norm``, ``ln_f``, ``final_layer_norm`` or ``norm_f``.
+            ``norm``, ``ln_f``, ``final_layer_norm`` or ``norm_f``. Enabling again
+            replaces the head's region; ``head=False`` leaves one made before as it is
+            (:func:`disable` removes it).
         **region_options: ``rng`` (``"replay"`` by default here: dropout masks are
             regenerated, as HF's torch checkpoint does) and ``allow_cache_entry_mutation``.
 
@@ -165,9 +167,15 @@ def enable(
     PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow, module_fqn="", where="integrations.hf.enable")
     func = checkpoint_with(policy, policy_factory=policy_factory, rng=rng, allow_cache_entry_mutation=allow)
     group = _head_group(hf_model, model) if head else None  # before anything changes
+    if group is not None:
+        for fqn in group:  # enabling again replaces the head's region (its policy may differ)
+            previous = group_of(model.get_submodule(fqn))
+            if previous is not None:
+                previous.remove()
+        check_groups(model, [group], wrapped_fqns(model))
     _hf_enable(hf_model, every_n_layers)
     _install(hf_model, func, model)
-    if group is not None and group_of(model.get_submodule(group[-1])) is None:
+    if group is not None:
         source = PolicySource(policy, policy_factory, rng=rng, allow_mutation=allow, module_fqn=group_name(group),
                               where="integrations.hf.enable")
         _Group(model, group, source, check_replay(None)).install()
