@@ -16,7 +16,9 @@ Note [The simulated step is counted by torch's tracker]
     kernels' internal workspaces, NCCL's buffers, the CUDA context -- is not counted
     (:data:`NOT_COUNTED` in _sim/_report.py names each with a typical size).
     The meter reads the tracker's running total after every op (``_update_peak_stats``
-    is called there): the step's peak, with the phase it happened in, and the peak of
+    is called there, replaced by the meter's own: the tracker's walks every module it
+    has seen, after every op, for per-module peaks the simulation does not use -- with
+    126 blocks that walk was nine tenths of the step): the step's peak, with the phase it happened in, and the peak of
     each segment between the marks a ``MemoryBudget(peak=...)`` planner would set
     (Note [The peak model] in _peak_model.py): ``fwd:k`` where block k's forward
     begins (after FSDP's all-gather, as the region enters) and ``bwd:k`` where its
@@ -213,7 +215,9 @@ def make_meter(model: nn.Module, optimizer: torch.optim.Optimizer | None, blocks
             return sum(marks.inputs.get(i, 0) for i in range(max(upto, 0)))
 
         def _update_peak_stats(self, peak_state: Any) -> None:
-            super()._update_peak_stats(peak_state)
+            # Not the tracker's own: it walks every module it has seen after every op (to
+            # keep per-module peaks, which the simulation does not read), quadratic in the
+            # number of blocks (Note [The simulated step is counted by torch's tracker]).
             now = self.total()
             marks = self.ac2
             if marks.inputs and now > marks.off_peak:
