@@ -20,7 +20,7 @@ memory tracker (``torch.distributed._tools``) counts what it holds.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from ._sim import _report
 from ._sim._policies import normalize
 from ._sim._report import ModeReport, format_table
 from ._sim._run import _Recorder, _Run, _Spec, run_mode
-from ._sim._world import ddp_refused, fake_world, per_block_shard
+from ._sim._world import ddp_refused, fake_world, per_block_shard, tp_styles
 from ._sizes import human_bytes, parse_size
 
 __all__ = ["DEVICES", "HOST_LINKS", "NOT_COUNTED", "ModeReport", "SimulationReport", "simulate"]
@@ -65,6 +65,8 @@ class SimulationReport:
                  floor: _Run | None, host_link: float = 50e9) -> None:
         self.world_size = world_size
         self.rank = rank
+        #: ranks of the tensor-parallel dimension (1: none)
+        self.tp_size = 1
         self.device = device
         self.modes = modes
         self._spec = spec
@@ -86,7 +88,9 @@ class SimulationReport:
     def format(self) -> str:
         """The table: per mode the rank's peak, its breakdown, when it happens, the
         recompute FLOPs and their estimated time, and what is not counted."""
-        head = (f"ac2_dist.simulate: rank {self.rank} of {self.world_size}, recompute priced for "
+        tp = self.tp_size
+        mesh = f" (dp {self.world_size // tp} x tp {tp})" if tp > 1 else ""
+        head = (f"ac2_dist.simulate: rank {self.rank} of {self.world_size}{mesh}, recompute priced for "
                 f"{self.device}")
         table = format_table(self.modes, head)
         if self.substituted:
@@ -235,6 +239,8 @@ def simulate(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     reshard_after_forward: bool | str = True,
+    tp_size: int | None = None,
+    tp_plan: Mapping[str, Any] | None = None,
 ) -> SimulationReport:
     """Simulate one training step of rank ``rank`` of a ``world_size``-rank job.
 
@@ -277,6 +283,15 @@ def simulate(
             block: ``True``, ``False``, or ``"all-but-last"`` (torchtitan's: the last
             block keeps its parameters unsharded after forward, as backward starts
             with it); the root is resharded.
+        tp_size, tp_plan: tensor parallelism inside each block (``fsdp="per-block"``):
+            the ranks form a ``(world_size / tp_size, tp_size)`` mesh ``("dp", "tp")``;
+            each block is parallelized over ``"tp"`` with ``tp_plan`` (submodule path
+            inside the block -> ``"colwise"``, ``"rowwise"`` or a torch ``ParallelStyle``,
+            applied with ``parallelize_module``), then sharded by FSDP2 over ``"dp"``, as
+            torchtitan does; the embeddings and the head stay replicated over ``"tp"``.
+            Rank ``r`` is ``(r // tp_size, r % tp_size)`` on the mesh. The blocks'
+            attention must read its head count from the projected tensors (Hugging
+            Face's models do) and ``tp_size`` must divide the heads.
         host_link: host <-> device bytes/s, one direction, that block-input offload
             is priced at (default: the named device's in ``HOST_LINKS``; 50 GB/s for
             ``(FLOP/s, bytes/s)``).
@@ -316,6 +331,17 @@ def simulate(
                              f"pick a shard size that divides the world size")
     if fsdp == "ddp":
         raise ValueError(ddp_refused())
+    if tp_size is not None:
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1 or world_size % tp_size:
+            raise ValueError(f"ac2_dist.simulate: tp_size must be a positive int that divides world_size="
+                             f"{world_size}, got {tp_size!r}")
+        if fsdp != "per-block" or shard_size is not None:
+            raise ValueError("ac2_dist.simulate: tp_size applies to fsdp='per-block' without shard_size (a 2D "
+                             "mesh dp x tp; a function given as fsdp can build any mesh)")
+        if tp_size > 1:
+            tp_styles(tp_plan if tp_plan is not None else {}, "tp_plan")  # checked before any step
+    elif tp_plan is not None:
+        raise ValueError("ac2_dist.simulate: tp_plan needs tp_size")
     if fsdp is not None and fsdp != "per-block" and not callable(fsdp):
         raise ValueError(f"ac2_dist.simulate: fsdp must be 'per-block', a function or None, got {fsdp!r}")
     for what, value in (("dtype", dtype), ("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
@@ -342,7 +368,8 @@ def simulate(
         raise ValueError("ac2_dist.simulate: modes is empty and there is no target: nothing to simulate (give "
                          "'none', 'full', a list of ops to save, a policy, or a target)")
     shard = fsdp if callable(fsdp) else (
-        per_block_shard(blocks, world_size, shard_size, param_dtype, reduce_dtype, reshard_after_forward)
+        per_block_shard(blocks, world_size, shard_size, param_dtype, reduce_dtype, reshard_after_forward, tp_size,
+                        tp_plan)
         if fsdp == "per-block" else None)
     spec = _Spec(build, blocks, shard, batch, loss or _default_loss, optimizer, rates)
     reports: list[ModeReport] = []
@@ -369,6 +396,7 @@ def simulate(
     report = SimulationReport(spec, world_size, rank, device if isinstance(device, str) else "custom", reports,
                               floor, link)
     report.substituted = set().union(*(r.substituted for r in runs)) if runs else set()
+    report.tp_size = tp_size or 1
     if nbytes is not None:
         report.plan(target)  # type: ignore[arg-type]
     return report

@@ -166,3 +166,44 @@ def measure_policies_rank(rank: int, world: int, names: list[str]) -> dict:
     """Per name of :data:`POLICY_CASES`: the lowest absolute peak of steps 2-6 on this rank
     and the FLOPs of one forward + backward."""
     return {name: _measure_policy(name) for name in names}
+
+
+#: the blocks' tensor-parallel plan (Hugging Face's Llama plan, per block)
+TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+           "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+           "mlp.down_proj": "rowwise"}
+
+
+def _measure_tp(mode: str, world: int, tp: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import ac2_dist as ac
+
+    torch.manual_seed(0)
+    model = build()
+    if mode == "full":
+        ac.apply_ac(model, "recompute_all", modules=[block_type()])
+    elif mode == "torch":  # torch's checkpoint, each block (non-reentrant)
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, block_type()))
+    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for layer in model.model.layers:  # torchtitan's order: TP, then FSDP2 over dp
+        inner = getattr(layer, "_checkpoint_wrapped_module", layer)  # torch's wrapper: its paths are inside
+        parallelize_module(inner, mesh["tp"], {k: styles[v]() for k, v in TP_PLAN.items()})
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    torch.manual_seed(1)
+    return _steps_2_to_6(model, opt, batch())
+
+
+def measure_tp_rank(rank: int, world: int, modes: list[str], tp: int) -> dict:
+    """Per mode, FSDP2 over dp and tensor parallelism over tp (a (world / tp, tp) mesh):
+    the lowest absolute peak of steps 2-6 on this rank and the FLOPs of one forward +
+    backward."""
+    return {mode: _measure_tp(mode, world, tp) for mode in modes}

@@ -51,6 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ddp", action="store_true", help="a DDP job: refused (torch's DDP does not run under the "
                                                        "fake process group); the message says what to run instead")
     p.add_argument("--shard-size", type=int, default=None, help="HSDP: shard over groups of this many ranks")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor parallelism inside each block over this many ranks (a dp x tp mesh, FSDP2 over dp); "
+                        "the plan is the Hugging Face config's base_model_tp_plan, or --tp-plan")
+    p.add_argument("--tp-plan", default=None,
+                   help="the blocks' tensor-parallel plan: comma-separated path=colwise|rowwise, paths inside a "
+                        "block (self_attn.q_proj=colwise,...,mlp.down_proj=rowwise)")
     p.add_argument("--blocks", default=None, help="comma-separated class names of the blocks to checkpoint "
                                                   "(default: the model's _no_split_modules)")
     p.add_argument("--modes", default="none,full", help="comma-separated: none, full, titan (torchtitan's op-level "
@@ -107,6 +113,27 @@ def _check_plan_out(path: str) -> None:
         raise _Refused(f"--plan-out {path!r}: the folder {folder!r} is not writable")
     if os.path.isdir(path):
         raise _Refused(f"--plan-out {path!r} is a folder; name a file (plan.json)")
+
+
+def _tp_plan(text: str) -> dict[str, str]:
+    """``--tp-plan``: ``path=style,...`` -> a block's plan."""
+    plan: dict[str, str] = {}
+    for item in text.split(","):
+        path, sep, style = (part.strip() for part in item.partition("="))
+        if not sep or not path or style not in ("colwise", "rowwise"):
+            raise _Refused(f"--tp-plan: {item.strip()!r} is not path=colwise or path=rowwise (a path inside a block, "
+                           "e.g. self_attn.q_proj=colwise)")
+        plan[path] = style
+    return plan
+
+
+def _hf_tp_plan(config: Any) -> dict[str, str]:
+    from ._world import hf_tp_plan
+
+    try:
+        return hf_tp_plan(config)
+    except ValueError as e:
+        raise _Refused(str(e).removeprefix("ac2_dist.simulate: ")) from e
 
 
 def _factory(spec: str) -> Callable[[], Any]:
@@ -167,9 +194,21 @@ def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
         raise _Refused(f"--modes: {unknown[0]!r} is not a mode; name none, full or titan (a save list: --save-ops)")
     if args.fsdp == "none" and (args.param_dtype or args.reduce_dtype or args.reshard_after_forward != "true"):
         raise _Refused("--param-dtype, --reduce-dtype and --reshard-after-forward apply to --fsdp per-block")
+    if args.tp_plan and not args.tp:
+        raise _Refused("--tp-plan needs --tp")
+    if args.tp is not None and (args.tp < 1 or args.world_size % args.tp):
+        raise _Refused(f"--tp {args.tp} must be >= 1 and divide --world-size {args.world_size}")
+    tp_plan = _tp_plan(args.tp_plan) if args.tp_plan else None
     batch_fn = None
     if args.hf_config:
         build, config = _hf(args.hf_config, dtype)
+        if args.tp and args.tp > 1:
+            tp_plan = tp_plan or _hf_tp_plan(config)
+            for name in ("num_attention_heads", "num_key_value_heads"):
+                heads = getattr(config, name, None)
+                if isinstance(heads, int) and heads % args.tp:
+                    raise _Refused(f"--tp {args.tp} does not divide the config's {name} ({heads}): each rank of "
+                                   "the tensor-parallel dimension takes whole heads")
         vocab = getattr(config, "vocab_size", None)
         longest = getattr(config, "max_position_embeddings", None)
         if isinstance(longest, int) and args.seq > longest:
@@ -220,7 +259,8 @@ def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
                       param_dtype=_DTYPES[args.param_dtype] if args.param_dtype else None,
                       reduce_dtype=_DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
                       reshard_after_forward={"true": True, "false": False}.get(args.reshard_after_forward,
-                                                                                args.reshard_after_forward))
+                                                                                args.reshard_after_forward),
+                      tp_size=args.tp, tp_plan=tp_plan if args.tp and args.tp > 1 else None)
     print(report.format())
     if args.plan_out:
         report.save_plan(args.plan_out)

@@ -1,10 +1,10 @@
 """The fake world a simulation runs in: torch's fake process group for W ranks in this
 process (Note [A step without data] in _sim/_run.py), and the per-block FSDP2 wrapping
-of the command line."""
+of the command line (with tensor parallelism inside each block on a 2D mesh)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -48,27 +48,102 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+#: the style names of a tensor-parallel plan (Hugging Face's ``base_model_tp_plan`` uses
+#: them) that the simulation applies, as torch's ``parallelize_module`` styles
+TP_STYLES = ("colwise", "rowwise")
+
+
+def tp_styles(plan: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A block's tensor-parallel plan (submodule path inside the block -> a
+    ``ParallelStyle`` or ``"colwise"``/``"rowwise"``) as torch's styles; ValueError
+    naming the entry that is neither."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+    if not isinstance(plan, Mapping) or not plan:
+        raise ValueError(f"ac2_dist.simulate: {where} must be a non-empty mapping of submodule paths inside a block "
+                         f"to 'colwise', 'rowwise' or a ParallelStyle, got {plan!r}")
+    out: dict[str, Any] = {}
+    for path, style in plan.items():
+        if isinstance(style, ParallelStyle):
+            out[path] = style
+        elif style == "colwise":
+            out[path] = ColwiseParallel()
+        elif style == "rowwise":
+            out[path] = RowwiseParallel()
+        else:
+            raise ValueError(f"ac2_dist.simulate: {where}: {path!r} -> {style!r} is not simulated; the styles are "
+                             f"{', '.join(TP_STYLES)} or a torch ParallelStyle")
+    return out
+
+
+def hf_tp_plan(config: Any) -> dict[str, str]:
+    """The per-block part of a Hugging Face config's ``base_model_tp_plan``
+    (``"layers.*.self_attn.q_proj": "colwise"`` -> ``"self_attn.q_proj": "colwise"``);
+    ValueError for an entry the simulation does not apply (packed or expert styles)."""
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    out: dict[str, str] = {}
+    for key, style in plan.items():
+        head, sep, rest = key.partition(".*.")
+        if not sep:
+            continue  # outside the blocks (embeddings, the head): replicated, as torchtitan's blocks-only plans
+        if style not in TP_STYLES:
+            raise ValueError(f"ac2_dist.simulate: the config's tensor-parallel plan has {key!r}: {style!r}; the "
+                             f"simulation applies {', '.join(TP_STYLES)} only (write the plan with "
+                             f"simulate(tp_plan=...))")
+        out[rest] = style
+    if not out:
+        raise ValueError(f"ac2_dist.simulate: the config ({type(config).__name__}) has no tensor-parallel plan "
+                         "for its blocks (base_model_tp_plan); give one with simulate(tp_plan=...) / --tp-plan")
+    return out
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def per_block_shard(blocks: Any, world_size: int, shard_size: int | None, param_dtype: torch.dtype | None = None,
-                    reduce_dtype: torch.dtype | None = None,
-                    reshard_after_forward: bool | str = True) -> Callable[[nn.Module], None]:
+                    reduce_dtype: torch.dtype | None = None, reshard_after_forward: bool | str = True,
+                    tp_size: int | None = None, tp_plan: Mapping[str, Any] | None = None
+                    ) -> Callable[[nn.Module], None]:
     """``fully_shard`` each selected block, then the root (HSDP over a
     ``(world_size / shard_size, shard_size)`` mesh when ``shard_size`` is given), with
     FSDP2's mixed precision and, per block, ``reshard_after_forward`` (``"all-but-last"``:
-    the last block's is False, torchtitan's choice)."""
+    the last block's is False, torchtitan's choice). With ``tp_size``: a
+    ``(world_size / tp_size, tp_size)`` mesh ``("dp", "tp")``; each block is first
+    parallelized over ``"tp"`` with ``tp_plan`` (torch's ``parallelize_module``), then
+    sharded over ``"dp"``, in torchtitan's order."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from .._modules import _select
 
     def shard(model: nn.Module) -> None:
-        kwargs: dict[str, Any] = {}
-        if shard_size is not None and shard_size != world_size:
-            from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import init_device_mesh
 
+        kwargs: dict[str, Any] = {}
+        tp_mesh = None
+        if tp_size is not None and tp_size > 1:
+            mesh = init_device_mesh("cpu", (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+            kwargs["mesh"], tp_mesh = mesh["dp"], mesh["tp"]
+        elif shard_size is not None and shard_size != world_size:
             kwargs["mesh"] = init_device_mesh("cpu", (world_size // shard_size, shard_size),
                                               mesh_dim_names=("replicate", "shard"))
         if param_dtype is not None or reduce_dtype is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         selected = _select(model, blocks)
+        if tp_mesh is not None:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            assert tp_plan is not None
+            for fqn, m in selected:
+                for path in tp_plan:  # parallelize_module only warns for a path that matches nothing
+                    if "*" not in path and not _has_submodule(m, path):
+                        raise ValueError(f"ac2_dist.simulate: tp_plan: block {fqn!r} ({type(m).__name__}) has no "
+                                         f"submodule {path!r}; the plan's paths are inside a block")
+                parallelize_module(m, tp_mesh, tp_styles(tp_plan, "tp_plan"))
         for k, (_, m) in enumerate(selected):
             reshard = reshard_after_forward if reshard_after_forward != "all-but-last" else k < len(selected) - 1
             fully_shard(m, reshard_after_forward=reshard, **kwargs)

@@ -1,0 +1,102 @@
+"""ac2_dist.simulate with tensor parallelism inside each block (a dp x tp mesh, torch's
+``parallelize_module`` with Hugging Face's Llama plan, then FSDP2 over dp): every rank of a
+4-rank job (dp 2 x tp 2) simulated and measured on 4 gloo ranks from the CPU allocator's
+events (the lowest of five steps: Note [A measured CPU step varies with gloo's threads] in
+test_simulate.py); plans and sizes given wrongly are refused before any step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import _sim_case as case  # noqa: E402
+from _dist import run_ranks  # noqa: E402
+
+from ac2_dist.simulate import simulate  # noqa: E402
+
+WORLD, TP = 4, 2
+
+
+def _sim(rank, modes=("none", "full"), **kw):
+    args = {"tp_size": TP, "tp_plan": case.TP_PLAN, **kw}
+    return simulate(case.build, batch=case.batch, blocks=[case.block_type()], world_size=WORLD, rank=rank,
+                    modes=list(modes), device="cpu", **args)
+
+
+@pytest.fixture(scope="module")
+def both():
+    real = run_ranks(case.measure_tp_rank, ["none", "full"], TP, world=WORLD)
+    sim = {r: dict(zip(["none", "full"], _sim(r).modes)) for r in range(WORLD)}
+    return sim, real
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_every_rank_within_2_percent_of_measured(both, rank, mode):
+    sim, real = both
+    predicted, measured = sim[rank][mode].peak_bytes, real[rank][mode]["peak"]
+    assert abs(predicted - measured) <= 0.02 * measured, (rank, mode, predicted, real[rank][mode]["peaks"])
+
+
+def test_tensor_parallel_shards_the_blocks():
+    """tp 2 holds fewer block bytes than the same dp-only job of 2 ranks (its parameters and
+    activations are split over tp), and the header names the mesh."""
+    tp = _sim(0, modes=["none"])
+    dp = simulate(case.build, batch=case.batch, blocks=[case.block_type()], world_size=WORLD // TP, rank=0,
+                  modes=["none"], device="cpu")
+    assert tp.modes[0].kept_bytes["model.layers.0"] < dp.modes[0].kept_bytes["model.layers.0"]
+    assert tp.format().splitlines()[0].startswith(f"ac2_dist.simulate: rank 0 of {WORLD} (dp 2 x tp 2)")
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"tp_size": 3}, "tp_size must be a positive int that divides world_size=4"),
+    ({"tp_size": 0}, "tp_size must be"),
+    ({"tp_plan": None}, "tp_plan must be a non-empty mapping"),
+    ({"tp_plan": {"mlp.up_proj": "packed_colwise"}}, "'mlp.up_proj' -> 'packed_colwise' is not simulated"),
+    ({"tp_plan": {"mlp.gate": "colwise"}}, "has no submodule 'mlp.gate'"),
+    ({"shard_size": 2}, "tp_size applies to fsdp='per-block' without shard_size"),
+    ({"tp_size": None}, "tp_plan needs tp_size"),
+])
+def test_bad_tensor_parallel_options_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _sim(0, modes=["none"], **kw)
+
+
+def _cli(tmp_path, capsys, *extra, layers=None):
+    from ac2_dist.simulate import _main
+
+    cfg = case.config().to_dict()
+    if layers is not None:
+        cfg.update(layers)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({k: v for k, v in cfg.items() if k != "transformers_version"}))
+    status = _main(["--hf-config", str(path), "--world-size", str(WORLD), "--batch", str(case.BATCH), "--seq",
+                    str(case.SEQ), "--device", "cpu", "--modes", "none", *extra])
+    return status, capsys.readouterr()
+
+
+def test_cli_takes_the_configs_plan(tmp_path, capsys):
+    status, out = _cli(tmp_path, capsys, "--tp", str(TP))
+    assert status == 0, out.err
+    sim = _sim(0, modes=["none"]).modes[0]
+    assert out.out.splitlines()[0] == f"ac2_dist.simulate: rank 0 of {WORLD} (dp 2 x tp 2), recompute priced for cpu"
+    from ac2_dist._sizes import human_bytes
+
+    assert human_bytes(sim.peak_bytes) in out.out.splitlines()[3]
+
+
+@pytest.mark.parametrize("extra, layers, match", [
+    (["--tp", "3"], None, "--tp 3 must be >= 1 and divide --world-size 4"),
+    (["--tp-plan", "mlp.up_proj=colwise"], None, "--tp-plan needs --tp"),
+    (["--tp", "2", "--tp-plan", "mlp.up_proj=packed"], None, "'mlp.up_proj=packed' is not path=colwise"),
+    (["--tp", "4"], {"num_key_value_heads": 2}, "--tp 4 does not divide the config's num_key_value_heads \\(2\\)"),
+])
+def test_cli_refuses_bad_tensor_parallel_input_in_one_line(tmp_path, capsys, extra, layers, match):
+    import re
+
+    status, out = _cli(tmp_path, capsys, *extra, layers=layers)
+    assert status == 2
+    assert len(out.err.strip().splitlines()) == 1 and re.search(match, out.err), out.err
