@@ -177,7 +177,11 @@ TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_a
 def _measure_tp(mode: str, world: int, tp: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     import ac2_dist as ac
 
@@ -186,7 +190,9 @@ def _measure_tp(mode: str, world: int, tp: int) -> dict:
     if mode == "full":
         ac.apply_ac(model, "recompute_all", modules=[block_type()])
     elif mode == "torch":  # torch's checkpoint, each block (non-reentrant)
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing,
+        )
 
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, block_type()))
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
