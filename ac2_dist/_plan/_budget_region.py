@@ -201,9 +201,12 @@ class _BudgetRegion:
             previous(node, func, args, kwargs, out)
         if not self.recording:
             return
-        info = op_info(func)
-        call = None if info.ignored else self.current
-        view = info.returns_alias or info.view_src is not None
+        if getattr(func, "ac2_conversion", False):  # Note [Wrapper subclasses made and unwrapped outside dispatch]
+            call, view = None, True
+        else:
+            info = op_info(func)
+            call = None if info.ignored else self.current
+            view = info.returns_alias or info.view_src is not None
         nbytes = 0 if view else _tensor_bytes(out)
         if self.cost is None:
             device = next((t.device for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)),

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .._trace._subclass_wraps import Conversion
 from ._block_problem import _Problem, _Record
 from ._peak_step import _Call
 
@@ -46,6 +47,8 @@ def _op_name(op: Any) -> str:
 
 
 def _resolve(name: str, path: str) -> Any:
+    if name.startswith(("ac2.rewrap.", "ac2.unwrap.")):  # Note [Wrapper subclasses made and unwrapped outside dispatch]
+        return Conversion(name)
     parts = name.split(".")
     if len(parts) != 3:
         raise ValueError(f"ac2_dist.MemoryBudget(plan={path!r}): op {name!r} is not namespace.op.overload")

@@ -190,6 +190,7 @@ from ._nodes import (
     producers,
     version_of,
 )
+from ._subclass_wraps import conversion_ref
 from ._writes import HeldStorages, Literal, stale_view
 
 _CP = torch.utils.checkpoint.CheckpointPolicy
@@ -259,6 +260,9 @@ class Graph(_GraphBackward):
         # Values held by reference, found by storage when something writes (Note [Held
         # values are found by storage] in _writes.py); forward only.
         self.held: HeldStorages | None = HeldStorages()
+        # Inner tensors of the subclasses the region made (Note [Wrapper subclasses made
+        # and unwrapped outside dispatch] in _subclass_wraps.py); forward only.
+        self.inners: Any = None
 
     # ---- forward side -------------------------------------------------------------
     def rng_chain(self, generator: torch.Generator) -> RngChain:
@@ -330,7 +334,7 @@ class Graph(_GraphBackward):
             self._trim_chains()
         if self.has_recipes:  # Note [A recipe holds no saved value] (_history.py)
             prune_recipes(self)
-        self.map = self._entries = self.held = None
+        self.map = self._entries = self.held = self.inners = None
 
     def _trim_chains(self) -> None:
         """Note [Chains end at their last needed op]
@@ -406,6 +410,8 @@ class Graph(_GraphBackward):
         e = self.map.get(t)
         if e is not None and (e.version is None or e.version == t._version):
             return e.node, e.idx
+        if e is None and (made := conversion_ref(self, t)) is not None:
+            return made  # Note [Wrapper subclasses made and unwrapped outside dispatch] (_subclass_wraps.py)
         fqn = self.frames[-1].module_fqn if self.frames else ""
         if e is not None and t._is_view():
             found = stale_view(self, t, fqn)

@@ -121,6 +121,7 @@ from ..side_effects import _INFO, OpInfo, SideEffect, op_info
 from ._collective_probe import _COMMUNICATING, _CollectiveProbe
 from ._graph import Graph
 from ._nodes import NO_KWARGS, Handle, MapEntry, Node, Saved, alias, flatten_outputs, version_of
+from ._subclass_wraps import note_inner
 from ._tracer_general import _NONES, _GeneralPath
 from ._writes import literal, overwritten, write_aliases
 
@@ -435,6 +436,8 @@ class Tracer(_GeneralPath, TorchDispatchMode):
         if via is not None:  # the base is the write's last output
             base = via[0]
             gmap.set(base, node, len(flat), base._version + bump)
+        if types:  # Note [Wrapper subclasses made and unwrapped outside dispatch] (_subclass_wraps.py)
+            note_inner(graph, flat, node)
 
         if writes and not (fresh or over):
             returned = {id(o) for o in flat if isinstance(o, _Tensor)}

@@ -1,0 +1,200 @@
+"""Wrapper tensor subclasses made and unwrapped outside dispatch: the graph's conversion
+nodes between a subclass and its inner tensors.
+
+Note [Wrapper subclasses made and unwrapped outside dispatch]
+    Some tensors enter a region's program without an op the tracer sees. Tensor
+    parallelism makes them on every linear layer: ``DTensor.from_local(x)`` (torch's
+    ``ColwiseParallel`` input hook) wraps a plain tensor into a DTensor by a Python
+    constructor, and ``DTensor.to_local()`` (its ``RowwiseParallel`` output hook, and
+    ``use_local_output``) hands out the DTensor's inner ``_local_tensor``. The tracer
+    sees the ops on either side but not the conversion, so the tensor the next op reads
+    is unknown to the graph: a region input, which must be saved -- an activation kept
+    for backward where torch's checkpoint would recompute it (an HF Llama block under
+    tensor parallelism kept about eleven hidden states' worth, not its input).
+
+    So, for a tensor the graph does not know (``Graph.ref``), two recipes are tried
+    before it becomes a saved region input:
+
+    1. a traceable wrapper subclass (``__tensor_flatten__``) whose inner tensors the
+       graph knows, at their current versions: a *rewrap* node whose inputs are those
+       inner tensors' producers; its replay rebuilds the subclass with
+       ``__tensor_unflatten__`` from the replayed inner tensors and the recorded
+       metadata (the flatten context, outer size and stride), detached;
+    2. a plain tensor that is an inner tensor of a subclass the region produced (an op
+       output, or a rewrap): an *unwrap* node whose input is that subclass; its replay
+       reads the attribute. The inner tensors of every subclass output are registered
+       when the op is recorded (``note_inner``), weakly: an entry dies with its tensor.
+
+    Both share the storage of what they read (a wrapper and its inner tensor are one
+    allocation), so they are recorded as views: the producer is marked viewed, the
+    planner prices them at no bytes and no FLOPs, and a plan file names them
+    ``ac2.rewrap.<Class>`` / ``ac2.unwrap.<attr>``. Inner tensors that are not plain
+    tensors, or a subclass whose inner tensor was written since it was made, fall back
+    to the saved region input (correct, as before).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ._nodes import Node, version_of
+
+__all__: list[str] = []
+
+
+class Conversion:
+    """A conversion node's op (Note [Wrapper subclasses made and unwrapped outside
+    dispatch]): called with its input tensors like an ATen op; compared by name."""
+
+    __slots__ = ("name",)
+    ac2_conversion = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return self.name
+
+    __repr__ = __str__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Conversion) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+class Rewrap(Conversion):
+    """Rebuild a wrapper subclass from its inner tensors."""
+
+    __slots__ = ("cls", "attrs", "consts", "ctx", "size", "stride")
+
+    def __init__(self, t: torch.Tensor, attrs: list[str], consts: dict[str, Any], ctx: Any) -> None:
+        super().__init__(f"ac2.rewrap.{type(t).__name__}")
+        self.cls = type(t)
+        self.attrs = attrs  # the inner tensors' attributes, in input order
+        self.consts = consts  # inner entries that are not tensors (a DTensor's mesh)
+        self.ctx = ctx
+        self.size, self.stride = t.size(), t.stride()
+
+    def __call__(self, *inner: torch.Tensor) -> torch.Tensor:
+        parts = dict(self.consts)
+        parts.update(zip(self.attrs, inner))
+        out = self.cls.__tensor_unflatten__(parts, self.ctx, self.size, self.stride)  # type: ignore[attr-defined]
+        return out.detach() if out.requires_grad else out
+
+
+class Unwrap(Conversion):
+    """Read one inner tensor of a wrapper subclass."""
+
+    __slots__ = ("attr",)
+
+    def __init__(self, attr: str) -> None:
+        super().__init__(f"ac2.unwrap.{attr}")
+        self.attr = attr
+
+    def __call__(self, outer: torch.Tensor) -> torch.Tensor:
+        return getattr(outer, self.attr)
+
+
+def _flatten(t: torch.Tensor) -> tuple[list[str], dict[str, Any], dict[str, Any], Any] | None:
+    """(tensor attrs, their tensors, the other entries, ctx) of a wrapper subclass."""
+    try:
+        attrs, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        parts = {a: getattr(t, a) for a in attrs}
+    except Exception:  # a subclass that cannot say: treated as unknown (saved)
+        return None
+    tensors = {a: v for a, v in parts.items() if isinstance(v, torch.Tensor)}
+    if not tensors:
+        return None
+    return list(tensors), tensors, {a: v for a, v in parts.items() if a not in tensors}, ctx
+
+
+class _Entry(weakref.ref):
+    __slots__ = ("key", "node", "idx", "attr")
+
+
+class InnerIndex:
+    """Inner tensor -> (the subclass's node, output index, attribute), weakly keyed: an
+    entry dies with its inner tensor (it keeps the node alive only while the tensor is)."""
+
+    __slots__ = ("_d", "_cb", "__weakref__")
+
+    def __init__(self) -> None:
+        self._d: dict[int, _Entry] = {}
+        this = weakref.ref(self)
+
+        def _dead(ref: _Entry) -> None:  # no strong path back to the index (as TensorMap)
+            owner = this()
+            if owner is not None and owner._d.get(ref.key) is ref:
+                del owner._d[ref.key]
+
+        self._cb = _dead
+
+    def add(self, inner: torch.Tensor, node: Node, idx: int, attr: str) -> None:
+        e = _Entry(inner, self._cb)
+        e.key, e.node, e.idx, e.attr = id(inner), node, idx, attr
+        self._d[id(inner)] = e
+
+    def get(self, t: torch.Tensor) -> tuple[Node, int, str] | None:
+        e = self._d.get(id(t))
+        if e is None or e() is not t:
+            return None
+        return e.node, e.idx, e.attr
+
+
+def note_inner(graph: Any, flat: Any, node: Node) -> None:
+    """Register the inner tensors of the wrapper subclasses among ``node``'s outputs
+    ``flat`` (Note [Wrapper subclasses made and unwrapped outside dispatch], 2)."""
+    for i, o in enumerate(flat):
+        if isinstance(o, torch.Tensor) and is_traceable_wrapper_subclass(o):
+            made = _flatten(o)
+            if made is not None:
+                index = graph.inners
+                if index is None:
+                    index = graph.inners = InnerIndex()
+                for attr, inner in made[1].items():
+                    index.add(inner, node, i, attr)
+
+
+def conversion_ref(graph: Any, t: torch.Tensor) -> tuple[Node, int] | None:
+    """A conversion node making ``t``, unknown to ``graph``, from what the graph knows,
+    or None (Note [Wrapper subclasses made and unwrapped outside dispatch])."""
+    if is_traceable_wrapper_subclass(t):
+        made = _flatten(t)
+        if made is None:
+            return None
+        attrs, tensors, consts, ctx = made
+        inputs: tuple = ()
+        producers = []
+        for k, a in enumerate(attrs):
+            e = graph.map.get(tensors[a])
+            if e is None or (e.version is not None and e.version != tensors[a]._version):
+                return None
+            producers.append(e.node)
+            inputs += (k, e.node, e.idx)
+        op: Conversion = Rewrap(t, attrs, consts, ctx)
+    else:
+        index = graph.inners
+        found = index.get(t) if index is not None else None
+        if found is None:
+            return None
+        outer_node, outer_idx, attr = found
+        producers = [outer_node]
+        inputs = (0, outer_node, outer_idx)
+        op = Unwrap(attr)
+    for m in producers:  # a recorded view of each input (they share its storage)
+        m.readers += 1
+        m.viewed = True
+        m.viewers += 1
+    fqn = graph.frames[-1].module_fqn if graph.frames else ""
+    node = graph.new_node(op, 1, fqn, inputs, (None,) * (len(inputs) // 3))
+    graph.map.set(t, node, 0, version_of(t))
+    note_inner(graph, (t,), node)
+    if graph.observer is not None:  # a calibrating memory budget records it as a view
+        graph.observer(node, op, (), {}, t)
+    return node, 0
