@@ -65,7 +65,7 @@ class SimulationReport:
                  floor: _Run | None, host_link: float = 50e9) -> None:
         self.world_size = world_size
         self.rank = rank
-        #: ranks of the tensor-parallel dimension (1: none)
+        #: How many ranks the tensor-parallel dimension has; 1 without tensor parallelism.
         self.tp_size = 1
         self.device = device
         self.modes = modes
