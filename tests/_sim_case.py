@@ -174,7 +174,7 @@ TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_a
            "mlp.down_proj": "rowwise"}
 
 
-def _measure_tp(mode: str, world: int, tp: int) -> dict:
+def _measure_tp(mode: str, world: int, tp: int, plan: str | None = None, target: int | None = None) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
@@ -187,8 +187,12 @@ def _measure_tp(mode: str, world: int, tp: int) -> dict:
 
     torch.manual_seed(0)
     model = build()
+    budget = None
     if mode == "full":
         ac.apply_ac(model, "recompute_all", modules=[block_type()])
+    elif mode == "plan":
+        budget = ac.MemoryBudget(peak=target, plan=plan)
+        ac.apply_ac(model, budget, modules=[block_type()])
     elif mode == "torch":  # torch's checkpoint, each block (non-reentrant)
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             apply_activation_checkpointing,
@@ -205,11 +209,17 @@ def _measure_tp(mode: str, world: int, tp: int) -> dict:
     fully_shard(model, mesh=mesh["dp"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     torch.manual_seed(1)
-    return _steps_2_to_6(model, opt, batch())
+    b = batch()
+    if budget is not None:  # steps 1-3: step 1 follows the file, the planner verifies from there
+        peaks = [_measured_step(model, opt, b)[1] for _ in range(3)]
+        history = [(r.step, r.what, r.predicted, r.measured, r.note) for r in budget.peak_planner.history]
+        return {"peaks": peaks, "history": history, "state": budget.peak_planner.state}
+    return _steps_2_to_6(model, opt, b)
 
 
-def measure_tp_rank(rank: int, world: int, modes: list[str], tp: int) -> dict:
+def measure_tp_rank(rank: int, world: int, modes: list[str], tp: int, plan: str | None = None,
+                    target: int | None = None) -> dict:
     """Per mode, FSDP2 over dp and tensor parallelism over tp (a (world / tp, tp) mesh):
     the lowest absolute peak of steps 2-6 on this rank and the FLOPs of one forward +
-    backward."""
-    return {mode: _measure_tp(mode, world, tp) for mode in modes}
+    backward (``"plan"``: the peaks of steps 1-3 following the plan file ``plan``)."""
+    return {mode: _measure_tp(mode, world, tp, plan, target) for mode in modes}

@@ -32,6 +32,7 @@ from ..budget import MemoryBudget
 from ._kernels import NarrowFakes
 from ._meter import make_meter
 from ._policies import _ReplayCost
+from ._world import eager_collectives
 
 __all__: list[str] = []
 
@@ -160,7 +161,8 @@ def run_mode(spec: _Spec, policy: Any, factory: Any = None, count_replays: bool 
     # dtype can occur (Note [A fake kernel narrower than the real one] in _kernels.py)
     narrow = NarrowFakes() if any(p.is_floating_point() and p.dtype != torch.bfloat16
                                   for p in model.parameters()) else contextlib.nullcontext()
-    with fake, narrow:
+    # Note [The simulated collectives complete as eager ones do] (_sim/_world.py)
+    with fake, narrow, eager_collectives():
         model.to_empty(device="cpu")
         batch = spec.batch()
         opt = spec.optimizer(model.parameters()) if spec.optimizer is not None else None

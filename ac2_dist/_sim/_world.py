@@ -105,6 +105,34 @@ def _has_submodule(module: nn.Module, path: str) -> bool:
     return True
 
 
+@contextmanager
+def eager_collectives() -> Iterator[None]:
+    """Note [The simulated collectives complete as eager ones do]
+        torch's functional collectives (what DTensor's redistributions, tensor parallelism's
+        all-reduces among them, issue) complete differently when they think they are being
+        traced: under a fake tensor mode ``_are_we_tracing()`` is true and each one ends in a
+        ``wait_tensor`` op, where an eager job wraps its output for a later wait
+        (``_wrap_tensor_autograd`` on torch >= 2.11, no op before). The blocks' op sequence
+        is the structure a plan file is matched against, so the simulated step must run the
+        job's sequence: while it runs, the check answers as eagerly unless torch.compile is
+        tracing. Restored on exit; the simulation runs in a process of its own."""
+    import torch.distributed._functional_collectives as funcol
+
+    traced = getattr(funcol, "_are_we_tracing", None)
+    if traced is None:
+        yield
+        return
+
+    def _eagerly() -> bool:
+        return bool(torch.compiler.is_compiling())
+
+    funcol._are_we_tracing = _eagerly  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        funcol._are_we_tracing = traced  # type: ignore[assignment]
+
+
 def per_block_shard(blocks: Any, world_size: int, shard_size: int | None, param_dtype: torch.dtype | None = None,
                     reduce_dtype: torch.dtype | None = None, reshard_after_forward: bool | str = True,
                     tp_size: int | None = None, tp_plan: Mapping[str, Any] | None = None
