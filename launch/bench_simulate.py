@@ -2,8 +2,10 @@
 
     python launch/bench_simulate.py                       # llama and gpt2, 2 and 4 ranks
     python launch/bench_simulate.py --models gpt2 --worlds 2 --json out.json
+    python launch/bench_simulate.py --models llama,gpt2,qwen2,gptneox,mixtral
 
-Per model (a tiny Llama and a tiny GPT-2 built with ``from_config``: nothing is
+Per model (a tiny Llama and a tiny GPT-2 by default; also Qwen2, GPT-NeoX and Mixtral with
+its default experts path, all built with ``from_config``: nothing is
 downloaded) and world size W (gloo ranks spawned as tests/_dist.py does, each on one
 thread), FSDP2 per block, AdamW: rank 0's step simulated by ``ac2_dist.simulate`` and
 the same step run on W real ranks, for no AC, full AC, a save list and three peak
@@ -44,6 +46,7 @@ VOCAB, HIDDEN, INTER, LAYERS, HEADS = 512, 128, 384, 3, 4
 BATCH, SEQ = 2, 64
 FRACTIONS = (0.25, 0.5, 0.75)  # the peak targets, from full AC (0) to no AC (1)
 PEAK_TOL, FLOPS_TOL = 0.05, 0.01
+MODELS = ("llama", "gpt2", "qwen2", "gptneox", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,27 @@ class Case:
                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
                              attn_implementation="sdpa")
             return GPT2LMHeadModel(cfg).train()
-        raise ValueError(f"bench_simulate: unknown model {self.model!r} (llama or gpt2)")
+        if self.model == "qwen2":
+            from transformers import Qwen2Config, Qwen2ForCausalLM
+
+            cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+                              num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, attn_implementation="sdpa")
+            return Qwen2ForCausalLM(cfg).train()
+        if self.model == "gptneox":
+            from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+            cfg = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
+                                num_hidden_layers=LAYERS, num_attention_heads=HEADS, hidden_dropout=0.0,
+                                attention_dropout=0.0, attn_implementation="sdpa")
+            return GPTNeoXForCausalLM(cfg).train()
+        if self.model == "mixtral":  # the default experts path (aten._grouped_mm)
+            from transformers import MixtralConfig, MixtralForCausalLM
+
+            cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER // 2,
+                                num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,
+                                num_local_experts=4, num_experts_per_tok=2, attn_implementation="sdpa")
+            return MixtralForCausalLM(cfg).train()
+        raise ValueError(f"bench_simulate: unknown model {self.model!r} ({', '.join(MODELS)})")
 
     def batch(self) -> dict:
         ids = torch.randint(0, VOCAB, (BATCH, SEQ))
@@ -78,17 +101,33 @@ class Case:
             from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
             return LlamaDecoderLayer
+        if self.model == "qwen2":
+            from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+            return Qwen2DecoderLayer
+        if self.model == "gptneox":
+            from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXLayer
+
+            return GPTNeoXLayer
+        if self.model == "mixtral":
+            from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
+            return MixtralDecoderLayer
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
         return GPT2Block
 
     def save_ops(self) -> list:
-        # GPT-2's projections are Conv1D: addmm
+        # GPT-2's projections are Conv1D and GPT-NeoX's Linear layers have biases: addmm
         aten = torch.ops.aten
-        return [aten.mm.default] if self.model == "llama" else [aten.addmm.default]
+        return [aten.addmm.default] if self.model in ("gpt2", "gptneox") else [aten.mm.default]
 
     def blocks(self, model: torch.nn.Module) -> list:
-        return list(model.model.layers if self.model == "llama" else model.transformer.h)
+        if self.model == "gpt2":
+            return list(model.transformer.h)
+        if self.model == "gptneox":
+            return list(model.gpt_neox.layers)
+        return list(model.model.layers)
 
 
 # ---- the real step ---------------------------------------------------------------------------
@@ -271,7 +310,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="llama,gpt2", help="comma-separated: llama, gpt2")
+    p.add_argument("--models", default="llama,gpt2", help=f"comma-separated: {', '.join(MODELS)}")
     p.add_argument("--worlds", default="2,4", help="comma-separated world sizes (gloo ranks)")
     p.add_argument("--steps", type=int, default=5, help="measured steps per mode (the lowest is compared)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
