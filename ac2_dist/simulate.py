@@ -241,6 +241,7 @@ def simulate(
     reshard_after_forward: bool | str = True,
     tp_size: int | None = None,
     tp_plan: Mapping[str, Any] | None = None,
+    groups: Sequence[Sequence[str]] = (),
 ) -> SimulationReport:
     """Simulate one training step of rank ``rank`` of a ``world_size``-rank job.
 
@@ -292,6 +293,9 @@ def simulate(
             Rank ``r`` is ``(r // tp_size, r % tp_size)`` on the mesh. The blocks'
             attention must read its head count from the projected tensors (Hugging
             Face's models do) and ``tp_size`` must divide the heads.
+        groups: modules checkpointed together as one region in every checkpointed mode,
+            as ``apply_ac``'s ``groups`` (``[["model.norm", "lm_head"]]``: a causal LM's
+            final norm and head, what ``hf.enable(..., head=True)`` does).
         host_link: host <-> device bytes/s, one direction, that block-input offload
             is priced at (default: the named device's in ``HOST_LINKS``; 50 GB/s for
             ``(FLOP/s, bytes/s)``).
@@ -371,7 +375,8 @@ def simulate(
         per_block_shard(blocks, world_size, shard_size, param_dtype, reduce_dtype, reshard_after_forward, tp_size,
                         tp_plan)
         if fsdp == "per-block" else None)
-    spec = _Spec(build, blocks, shard, batch, loss or _default_loss, optimizer, rates)
+    spec = _Spec(build, blocks, shard, batch, loss or _default_loss, optimizer, rates,
+                 tuple(tuple(g) for g in groups))
     reports: list[ModeReport] = []
     floor: _Run | None = None
     need_floor = nbytes is not None or any(m.kind != "none" for m in wanted)

@@ -134,7 +134,9 @@ POLICY_CASES = {
     "mp-full": ("recompute_all", None, True, True),
     "abl-full": ("recompute_all", None, False, "all-but-last"),
     "none": (None, None, False, True),
+    "head-full": ("recompute_all", None, False, True),  # and the final norm + LM head as one region
 }
+HEAD = ["model.norm", "lm_head"]  # the group of the "head-" cases
 
 
 def _measure_policy(name: str) -> dict:
@@ -144,12 +146,13 @@ def _measure_policy(name: str) -> dict:
     from ac2_dist._sim._policies import TorchtitanOpSAC
 
     policy, factory, mp, reshard = POLICY_CASES[name]
+    groups = [HEAD] if name.startswith("head-") else []
     torch.manual_seed(0)
     model = build()
     if factory == "titan":
         ac.apply_ac(model, policy_factory=TorchtitanOpSAC, modules=[block_type()])
     elif policy is not None:
-        ac.apply_ac(model, save_mm if policy == "save_mm" else policy, modules=[block_type()])
+        ac.apply_ac(model, save_mm if policy == "save_mm" else policy, modules=[block_type()], groups=groups)
     kwargs: dict[str, Any] = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                 reduce_dtype=torch.float32)} if mp else {}
     layers = list(model.model.layers)

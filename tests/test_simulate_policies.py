@@ -1,6 +1,7 @@
 """ac2_dist.simulate with any policy and FSDP2's options, against real runs: torchtitan's
 op-level SAC rule (a policy factory), a policy callable, FSDP2 mixed precision (bf16
-compute, fp32 reduction) and the last block not resharded after forward, each simulated
+compute, fp32 reduction), the last block not resharded after forward and the final norm and
+LM head checkpointed as one region (``groups``, ``--head``), each simulated
 for rank 0 of 2 and measured on 2 gloo ranks from the CPU allocator's events (the lowest
 of five steps: Note [A measured CPU step varies with gloo's threads] in test_simulate.py),
 recompute FLOPs against a dispatch mode's count; modes given wrongly are refused."""
@@ -35,6 +36,7 @@ def both():
     r = _sim(["none", "full"], param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     sim["mp-none"], sim["mp-full"] = r.modes
     (sim["abl-full"],) = _sim(["full"], reshard_after_forward="all-but-last").modes
+    (sim["head-full"],) = _sim(["full"], groups=[case.HEAD]).modes
     return sim, real
 
 
@@ -45,7 +47,7 @@ def test_peak_within_5_percent_of_measured(both, name):
     assert abs(predicted - measured) <= 0.05 * measured, (name, predicted, real[name]["peaks"])
 
 
-@pytest.mark.parametrize("name", ["titan", "fn", "mp-full", "abl-full"])
+@pytest.mark.parametrize("name", ["titan", "fn", "mp-full", "abl-full", "head-full"])
 def test_recompute_flops_within_1_percent_of_counted(both, name):
     sim, real = both
     base = real["mp-none" if name.startswith("mp") else "none"]["flops"]
@@ -102,3 +104,19 @@ def test_cli_runs_torchtitans_setup_in_one_command(tmp_path):
     with contextlib.redirect_stderr(err):
         assert main(simulate, ["--hf-config", str(cfg), "--world-size", "2", "--modes", "none,titn"]) == 2
     assert "'titn' is not a mode" in err.getvalue()
+
+
+def test_cli_head_is_the_groups_option(tmp_path, capsys):
+    import json
+
+    from ac2_dist._sizes import human_bytes
+    from ac2_dist.simulate import _main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({k: v for k, v in case.config().to_dict().items() if k != "transformers_version"}))
+    status = _main(["--hf-config", str(path), "--world-size", "2", "--batch", str(case.BATCH), "--seq",
+                    str(case.SEQ), "--device", "cpu", "--modes", "full", "--head"])
+    out = capsys.readouterr()
+    assert status == 0, out.err
+    (full,) = _sim(["full"], groups=[case.HEAD]).modes
+    assert human_bytes(full.peak_bytes) in out.out.splitlines()[3]

@@ -57,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-plan", default=None,
                    help="the blocks' tensor-parallel plan: comma-separated path=colwise|rowwise, paths inside a "
                         "block (self_attn.q_proj=colwise,...,mlp.down_proj=rowwise)")
+    p.add_argument("--head", action="store_true",
+                   help="also checkpoint the final norm and the LM head as one region (hf.enable(head=True))")
     p.add_argument("--blocks", default=None, help="comma-separated class names of the blocks to checkpoint "
                                                   "(default: the model's _no_split_modules)")
     p.add_argument("--modes", default="none,full", help="comma-separated: none, full, titan (torchtitan's op-level "
@@ -237,6 +239,14 @@ def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
     if not block_types:
         raise _Refused(f"no module of the model is a block to checkpoint (looked for {names or 'nothing'}); "
                        "name their classes with --blocks")
+    groups: list[list[str]] = []
+    if args.head:
+        from ..integrations.hf import _head_group
+
+        try:
+            groups.append(_head_group(probe, probe))
+        except ValueError as e:
+            raise _Refused(f"--head: {_line(e)}") from e
     if batch_fn is None:
         if vocab is None:
             raise _Refused("the model has no config.vocab_size: return (model, batch_fn) from --model's factory")
@@ -260,7 +270,7 @@ def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
                       reduce_dtype=_DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
                       reshard_after_forward={"true": True, "false": False}.get(args.reshard_after_forward,
                                                                                 args.reshard_after_forward),
-                      tp_size=args.tp, tp_plan=tp_plan if args.tp and args.tp > 1 else None)
+                      tp_size=args.tp, tp_plan=tp_plan if args.tp and args.tp > 1 else None, groups=groups)
     print(report.format())
     if args.plan_out:
         report.save_plan(args.plan_out)

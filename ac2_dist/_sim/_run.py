@@ -48,6 +48,7 @@ class _Spec:
     loss: Callable[[nn.Module, Any], torch.Tensor]
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None
     rates: tuple[float, float]  # FLOP/s, bytes/s of the device recompute is priced for
+    groups: tuple = ()  # apply_ac's ``groups``: modules checkpointed together as one region
 
 
 @dataclass
@@ -142,9 +143,9 @@ def run_mode(spec: _Spec, policy: Any, factory: Any = None, count_replays: bool 
         model = spec.build()
     recorder = policy if isinstance(policy, _Recorder) else None
     if factory is not None:
-        apply_ac(model, policy_factory=factory, modules=spec.blocks)
+        apply_ac(model, policy_factory=factory, modules=spec.blocks, groups=spec.groups)
     elif policy is not None:
-        apply_ac(model, policy, modules=spec.blocks)
+        apply_ac(model, policy, modules=spec.blocks, groups=spec.groups)
     fqns = [name for name, _ in _select(model, spec.blocks)]
     if spec.shard is not None:
         spec.shard(model)
