@@ -126,3 +126,45 @@ def test_peak_below_torch_checkpoint(ranks):
     for r in ranks:
         for mode in ("ac2", "ac2 after tp", "ac2 save mm", "ac2 budget"):
             assert r[mode]["peak"] < r["torch"]["peak"], {m: r[m]["peak"] for m in MODES}
+
+
+def _conversion_cases(rank, world):
+    """DTensors made and unwrapped inside one region around plain ops: the inner tensor
+    written after the wrap (the DTensor is then stale: saved, not rebuilt), a DTensor read
+    both through to_local and by another op, and the same unwrap read twice."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    w = distribute_tensor(torch.randn(8, 8), mesh, [Replicate()]).requires_grad_()
+    x0 = torch.randn(4, 8, requires_grad=True)
+
+    def written():
+        xl = (x0 * 1.5).view_as(x0)
+        d = DTensor.from_local(xl, mesh, [Replicate()])
+        xl.add_(1)
+        return (d @ w).to_local().cos().sum()
+
+    def shared():
+        d = DTensor.from_local(x0 * 1.5, mesh, [Replicate()])
+        h = (d @ w).tanh()
+        y = h.to_local()
+        return (y * y).sum() + (h @ w).to_local().sin().sum() + y.exp().sum()
+
+    out = {}
+    for name, fn in (("written after the wrap", written), ("read twice", shared)):
+        grads = []
+        for region in (False, True):
+            x0.grad = w.grad = None
+            with ac.apply_ac_policy("recompute_all") if region else contextlib.nullcontext():
+                loss = fn()
+            loss.backward()
+            grads.append((x0.grad.clone(), w.grad.to_local().clone()))
+        out[name] = all(torch.equal(a, b) for a, b in zip(*grads))
+    return out
+
+
+def test_conversions_with_writes_and_shared_reads_keep_eager_gradients():
+    (result,) = run_ranks(_conversion_cases, world=1)
+    assert all(result.values()), result

@@ -181,6 +181,8 @@ class _GeneralPath:
                 steps[:0] = node.via
                 idx = 1
                 continue
+            if getattr(node.op, "ac2_conversion", False):  # not an ATen view to replay the write through
+                return None  # (Note [Wrapper subclasses made and unwrapped outside dispatch] in _subclass_wraps.py)
             src = (_INFO.get(id(node.op)) or op_info(node.op)).view_src
             if src is None or node.lists or len(node.inputs) != 3 or node.inputs[0] != src:
                 return None
