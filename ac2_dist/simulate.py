@@ -220,6 +220,24 @@ def _adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4)
 
 
+def _check_shard_group(build: Callable[[], nn.Module], blocks: Any, group: int) -> None:
+    """Refuse a shard group larger than every block parameter's first dimension, before
+    any step: FSDP2 pads each parameter to a multiple of the group, so most ranks would
+    hold padding and every all-gather would move the padding (a world size given wrong;
+    100000 ranks took minutes to simulate a tiny model at 1.4 GiB a rank)."""
+    from ._modules import _select
+
+    with torch.device("meta"):
+        probe = build()
+    rows = max((p.shape[0] for _, m in _select(probe, blocks) for p in m.parameters() if p.dim() > 0), default=0)
+    if rows and group > rows:
+        raise ValueError(f"ac2_dist.simulate: FSDP2 would shard each block's parameters over {group} ranks, more "
+                         f"than the rows of the largest one ({rows}): ranks past its last row would hold only "
+                         f"padding and each all-gather would move {group / rows:.0f}x the parameters. Give the "
+                         f"world size the job runs; a job this large shards over groups (HSDP: shard_size, "
+                         f"--shard-size)")
+
+
 def simulate(
     build: Callable[[], nn.Module],
     *,
@@ -371,6 +389,8 @@ def simulate(
     if not wanted and nbytes is None:
         raise ValueError("ac2_dist.simulate: modes is empty and there is no target: nothing to simulate (give "
                          "'none', 'full', a list of ops to save, a policy, or a target)")
+    if fsdp == "per-block":
+        _check_shard_group(build, blocks, shard_size or world_size // (tp_size or 1))
     shard = fsdp if callable(fsdp) else (
         per_block_shard(blocks, world_size, shard_size, param_dtype, reduce_dtype, reshard_after_forward, tp_size,
                         tp_plan)
