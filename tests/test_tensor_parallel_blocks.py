@@ -152,8 +152,15 @@ def _conversion_cases(rank, world):
         y = h.to_local()
         return (y * y).sum() + (h @ w).to_local().sin().sum() + y.exp().sum()
 
+    def subclass_written():  # a DTensor op's output written through a view, then unwrapped
+        e = (DTensor.from_local(x0 * 1.5, mesh, [Replicate()]) @ w) * 2
+        e[0:2].mul_(5)
+        torch._foreach_mul_([e], 3.0)
+        return e.to_local().sin().sum()
+
     out = {}
-    for name, fn in (("written after the wrap", written), ("read twice", shared)):
+    for name, fn in (("written after the wrap", written), ("read twice", shared),
+                     ("the subclass written before its unwrap", subclass_written)):
         grads = []
         for region in (False, True):
             x0.grad = w.grad = None
@@ -168,3 +175,63 @@ def _conversion_cases(rank, world):
 def test_conversions_with_writes_and_shared_reads_keep_eager_gradients():
     (result,) = run_ranks(_conversion_cases, world=1)
     assert all(result.values()), result
+
+
+def _fsdp_units_inside_a_region(rank, world):
+    """A checkpointed module enclosing two FSDP2 units on a 1 x 1 dp x tp mesh: FSDP2's first
+    forward makes the unsharded DTensor parameters inside the region (its lazy init), and
+    the replays reach them through the conversions; steps 1 and 2, gradients bitwise."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 32, bias=False), nn.Linear(32, 16, bias=False)
+
+        def forward(self, x):
+            return self.down(self.up(x).tanh())
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = MLP(), MLP()
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    def build(checkpointed):
+        torch.manual_seed(0)
+        model = nn.Sequential(Stage())
+        for mlp in (model[0].a, model[0].b):
+            parallelize_module(mlp, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+            fully_shard(mlp, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        if checkpointed:
+            ac.apply_ac(model, "recompute_all", modules=[Stage])
+        return model
+
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for checkpointed in (False, True):
+        model = build(checkpointed)
+        steps = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            model(x.clone().requires_grad_()).pow(2).sum().backward()
+            steps.append([p.grad.full_tensor().clone() for p in model.parameters()])
+        grads.append(steps)
+    return [all(torch.equal(a, b) for a, b in zip(e, c)) for e, c in zip(*grads)]
+
+
+def test_fsdp_units_inside_a_tensor_parallel_region_first_steps_bitwise():
+    for result in run_ranks(_fsdp_units_inside_a_region, world=1):
+        assert result == [True, True], result

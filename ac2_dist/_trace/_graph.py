@@ -175,6 +175,7 @@ import torch
 
 from .._policy import Decision
 from ..compile import skip_dynamo
+from ..side_effects import op_info
 from ._graph_backward import _GraphBackward
 from ._graph_stats import GraphStats
 from ._history import prune_recipes, recipe_inputs
@@ -194,6 +195,11 @@ from ._subclass_wraps import conversion_ref
 from ._writes import HeldStorages, Literal, stale_view
 
 _CP = torch.utils.checkpoint.CheckpointPolicy
+
+
+def _is_view(op: Any) -> bool:
+    info = op_info(op)
+    return info.view_src is not None or info.returns_alias
 
 
 # Use counters allocated when a graph is made (Note [Use counts live in one array]).
@@ -466,8 +472,15 @@ class Graph(_GraphBackward):
         ref = None
         for p in params:
             e = self.map.get(p)
-            if e is not None and e.node.op is None:
-                e.node.fsdp_unit = ref = ref or weakref.ref(unit)
+            node = e.node if e is not None else None
+            # FSDP2's first unshard makes its unsharded parameters inside the region: the
+            # parameter is then a view (nn.Parameter's detach) of the leaf that holds the
+            # storage FSDP unshards; that leaf is the one to mark.
+            while node is not None and node.op is not None and len(node.inputs) == 3 and node.nout == 1 \
+                    and not getattr(node.op, "ac2_conversion", False) and _is_view(node.op):
+                node = node.inputs[1]
+            if node is not None and node.op is None:
+                node.fsdp_unit = ref = ref or weakref.ref(unit)
 
     def _save_in_place(self, node: Node, idx: int, t: torch.Tensor, decision: Decision, reason: str, allow: bool) -> None:
         keep = node.op is None or not (t.is_floating_point() or t.is_complex())

@@ -396,6 +396,8 @@ class Replayer:
                 allocated += tensor_nbytes(v)
         if writes:  # written in place: the bytes were counted for the producer (or the clone)
             allocated = cloned
+        elif getattr(node.op, "ac2_conversion", False):  # its input's storage (_subclass_wraps.py)
+            allocated = 0
         stats.recomputed_bytes += allocated
         if self.tracker is not None:
             by_module = stats.recomputed_by_module

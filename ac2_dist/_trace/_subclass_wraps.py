@@ -29,8 +29,17 @@ Note [Wrapper subclasses made and unwrapped outside dispatch]
     allocation), so they are recorded as views: the producer is marked viewed, the
     planner prices them at no bytes and no FLOPs, and a plan file names them
     ``ac2.rewrap.<Class>`` / ``ac2.unwrap.<attr>``. Inner tensors that are not plain
-    tensors, or a subclass whose inner tensor was written since it was made, fall back
-    to the saved region input (correct, as before).
+    tensors, a subclass whose inner tensor was written since it was made, an inner tensor
+    whose subclass was written since (a subclass's in-place op bumps the subclass's version
+    counter, not the inner tensor's: the index keeps the subclass weakly and checks its
+    entry in the graph's map), and a subclass that is an autograd leaf fall back to the
+    saved region input (correct, as before). The last covers parameters and what FSDP2
+    makes without autograd in its first step's unshard inside the region (an unsharded
+    DTensor parameter wraps a view of the all-gather output, which FSDP frees after
+    forward: rebuilt from that view, a replay would read freed storage; kept as the leaf
+    it was, FSDP's unshard restores its storage before the replay). ``from_local`` on a
+    tensor with a history returns a non-leaf. Replay statistics count a conversion's output as no new
+    bytes (it is its input's storage).
 """
 
 from __future__ import annotations
@@ -115,7 +124,7 @@ def _flatten(t: torch.Tensor) -> tuple[list[str], dict[str, Any], dict[str, Any]
 
 
 class _Entry(weakref.ref):
-    __slots__ = ("key", "node", "idx", "attr")
+    __slots__ = ("key", "node", "idx", "attr", "outer")
 
 
 class InnerIndex:
@@ -135,16 +144,16 @@ class InnerIndex:
 
         self._cb = _dead
 
-    def add(self, inner: torch.Tensor, node: Node, idx: int, attr: str) -> None:
+    def add(self, inner: torch.Tensor, node: Node, idx: int, attr: str, outer: torch.Tensor) -> None:
         e = _Entry(inner, self._cb)
-        e.key, e.node, e.idx, e.attr = id(inner), node, idx, attr
+        e.key, e.node, e.idx, e.attr, e.outer = id(inner), node, idx, attr, weakref.ref(outer)
         self._d[id(inner)] = e
 
-    def get(self, t: torch.Tensor) -> tuple[Node, int, str] | None:
+    def get(self, t: torch.Tensor) -> tuple[Node, int, str, torch.Tensor | None] | None:
         e = self._d.get(id(t))
         if e is None or e() is not t:
             return None
-        return e.node, e.idx, e.attr
+        return e.node, e.idx, e.attr, e.outer()
 
 
 def note_inner(graph: Any, flat: Any, node: Node) -> None:
@@ -158,13 +167,15 @@ def note_inner(graph: Any, flat: Any, node: Node) -> None:
                 if index is None:
                     index = graph.inners = InnerIndex()
                 for attr, inner in made[1].items():
-                    index.add(inner, node, i, attr)
+                    index.add(inner, node, i, attr, o)
 
 
 def conversion_ref(graph: Any, t: torch.Tensor) -> tuple[Node, int] | None:
     """A conversion node making ``t``, unknown to ``graph``, from what the graph knows,
     or None (Note [Wrapper subclasses made and unwrapped outside dispatch])."""
     if is_traceable_wrapper_subclass(t):
+        if t.is_leaf:  # a parameter, or a wrapper made without autograd (FSDP2's unsharded parameters)
+            return None
         made = _flatten(t)
         if made is None:
             return None
@@ -183,7 +194,13 @@ def conversion_ref(graph: Any, t: torch.Tensor) -> tuple[Node, int] | None:
         found = index.get(t) if index is not None else None
         if found is None:
             return None
-        outer_node, outer_idx, attr = found
+        outer_node, outer_idx, attr, outer = found
+        # The subclass must still be that node's output, unwritten: a subclass's in-place op
+        # bumps its own version counter, not its inner tensor's.
+        e = graph.map.get(outer) if outer is not None else None
+        if e is None or e.node is not outer_node or e.idx != outer_idx \
+                or (e.version is not None and e.version != outer._version):
+            return None
         producers = [outer_node]
         inputs = (0, outer_node, outer_idx)
         op = Unwrap(attr)
