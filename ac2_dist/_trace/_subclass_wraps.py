@@ -38,8 +38,9 @@ Note [Wrapper subclasses made and unwrapped outside dispatch]
     DTensor parameter wraps a view of the all-gather output, which FSDP frees after
     forward: rebuilt from that view, a replay would read freed storage; kept as the leaf
     it was, FSDP's unshard restores its storage before the replay). ``from_local`` on a
-    tensor with a history returns a non-leaf. Replay statistics count a conversion's output as no new
-    bytes (it is its input's storage).
+    tensor with a history returns a non-leaf. A replayed conversion adds nothing to
+    ``recomputed_bytes`` (its output is its input's storage); ``cached_bytes`` still counts a
+    wrapper and its inner tensor apart while both wait for consumers (the report only).
 """
 
 from __future__ import annotations
