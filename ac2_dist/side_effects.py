@@ -148,6 +148,11 @@ class OpInfo:
     #: tensor.
     overwrites: bool = False
 
+    @property
+    def aliases(self) -> bool:
+        """The output is (a view of) an input's storage: it allocates nothing."""
+        return self.returns_alias or self.view_src is not None
+
     def writes(self, args: tuple) -> bool:
         """True if this call writes one of its arguments."""
         if not self.written:

@@ -158,9 +158,18 @@ def _conversion_cases(rank, world):
         torch._foreach_mul_([e], 3.0)
         return e.to_local().sin().sum()
 
+    def hooked():  # the user's saved-tensor hooks around the region (they see what autograd saves)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            return shared()
+
+    def autocast():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return shared()
+
     out = {}
     for name, fn in (("written after the wrap", written), ("read twice", shared),
-                     ("the subclass written before its unwrap", subclass_written)):
+                     ("the subclass written before its unwrap", subclass_written),
+                     ("saved-tensor hooks around", hooked), ("autocast bf16 around", autocast)):
         grads = []
         for region in (False, True):
             x0.grad = w.grad = None

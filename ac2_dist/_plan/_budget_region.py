@@ -206,7 +206,7 @@ class _BudgetRegion:
         else:
             info = op_info(func)
             call = None if info.ignored else self.current
-            view = info.returns_alias or info.view_src is not None
+            view = info.aliases
         nbytes = 0 if view else _tensor_bytes(out)
         if self.cost is None:
             device = next((t.device for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)),

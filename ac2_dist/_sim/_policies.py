@@ -137,7 +137,7 @@ class _ReplayCost(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.replaying.depth:
             info = op_info(func)
-            if info.returns_alias or info.view_src is not None:  # a view moves nothing: priced as the planner does
+            if info.aliases:  # a view moves nothing: priced as the planner does
                 return out
             flops, seconds = self.cost.estimate(func, args, kwargs, out)
             self.flops += flops

@@ -197,11 +197,6 @@ from ._writes import HeldStorages, Literal, stale_view
 _CP = torch.utils.checkpoint.CheckpointPolicy
 
 
-def _is_view(op: Any) -> bool:
-    info = op_info(op)
-    return info.view_src is not None or info.returns_alias
-
-
 # Use counters allocated when a graph is made (Note [Use counts live in one array]).
 _FIRST_CAPACITY = 256
 # Nodes and handles are made without a Python __init__ call (Graph.new_node, Graph.pack).
@@ -477,7 +472,7 @@ class Graph(_GraphBackward):
             # parameter is then a view (nn.Parameter's detach) of the leaf that holds the
             # storage FSDP unshards; that leaf is the one to mark.
             while node is not None and node.op is not None and len(node.inputs) == 3 and node.nout == 1 \
-                    and not getattr(node.op, "ac2_conversion", False) and _is_view(node.op):
+                    and not getattr(node.op, "ac2_conversion", False) and op_info(node.op).aliases:
                 node = node.inputs[1]
             if node is not None and node.op is None:
                 node.fsdp_unit = ref = ref or weakref.ref(unit)

@@ -21,18 +21,19 @@ Note [Wrapper subclasses made and unwrapped outside dispatch]
        ``__tensor_unflatten__`` from the replayed inner tensors and the recorded
        metadata (the flatten context, outer size and stride), detached;
     2. a plain tensor that is an inner tensor of a subclass the region produced (an op
-       output, or a rewrap): an *unwrap* node whose input is that subclass; its replay
-       reads the attribute. The inner tensors of every subclass output are registered
-       when the op is recorded (``note_inner``), weakly: an entry dies with its tensor.
+       output, or a rewrap): an *unwrap* node whose input is what the graph maps that
+       subclass to now; its replay reads the attribute. The inner tensors of every
+       subclass output are registered when the op is recorded (``note_inner``), weakly:
+       an entry dies with its tensor and holds neither the subclass nor a node.
 
     Both share the storage of what they read (a wrapper and its inner tensor are one
     allocation), so they are recorded as views: the producer is marked viewed, the
     planner prices them at no bytes and no FLOPs, and a plan file names them
     ``ac2.rewrap.<Class>`` / ``ac2.unwrap.<attr>``. Inner tensors that are not plain
     tensors, a subclass whose inner tensor was written since it was made, an inner tensor
-    whose subclass was written since (a subclass's in-place op bumps the subclass's version
-    counter, not the inner tensor's: the index keeps the subclass weakly and checks its
-    entry in the graph's map), and a subclass that is an autograd leaf fall back to the
+    whose subclass was written since through a view (a subclass's in-place op bumps the
+    subclass's version counter, not the inner tensor's: the subclass's entry in the
+    graph's map is then stale), and a subclass that is an autograd leaf fall back to the
     saved region input (correct, as before). The last covers parameters and what FSDP2
     makes without autograd in its first step's unshard inside the region (an unsharded
     DTensor parameter wraps a view of the all-gather output, which FSDP frees after
@@ -111,8 +112,9 @@ class Unwrap(Conversion):
         return getattr(outer, self.attr)
 
 
-def _flatten(t: torch.Tensor) -> tuple[list[str], dict[str, Any], dict[str, Any], Any] | None:
-    """(tensor attrs, their tensors, the other entries, ctx) of a wrapper subclass."""
+def _flatten(t: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, Any], Any] | None:
+    """(its inner tensors by attribute, its other inner entries, the flatten context) of a
+    wrapper subclass, or None where it has no inner tensor or cannot say."""
     try:
         attrs, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
         parts = {a: getattr(t, a) for a in attrs}
@@ -121,16 +123,16 @@ def _flatten(t: torch.Tensor) -> tuple[list[str], dict[str, Any], dict[str, Any]
     tensors = {a: v for a, v in parts.items() if isinstance(v, torch.Tensor)}
     if not tensors:
         return None
-    return list(tensors), tensors, {a: v for a, v in parts.items() if a not in tensors}, ctx
+    return tensors, {a: v for a, v in parts.items() if a not in tensors}, ctx
 
 
 class _Entry(weakref.ref):
-    __slots__ = ("key", "node", "idx", "attr", "outer")
+    __slots__ = ("key", "attr", "outer")
 
 
 class InnerIndex:
-    """Inner tensor -> (the subclass's node, output index, attribute), weakly keyed: an
-    entry dies with its inner tensor (it keeps the node alive only while the tensor is)."""
+    """Inner tensor -> (its subclass, the attribute it is), weakly both ways: an entry
+    dies with its inner tensor and keeps neither the subclass nor any node alive."""
 
     __slots__ = ("_d", "_cb", "__weakref__")
 
@@ -145,30 +147,30 @@ class InnerIndex:
 
         self._cb = _dead
 
-    def add(self, inner: torch.Tensor, node: Node, idx: int, attr: str, outer: torch.Tensor) -> None:
+    def add(self, inner: torch.Tensor, attr: str, outer: torch.Tensor) -> None:
         e = _Entry(inner, self._cb)
-        e.key, e.node, e.idx, e.attr, e.outer = id(inner), node, idx, attr, weakref.ref(outer)
+        e.key, e.attr, e.outer = id(inner), attr, weakref.ref(outer)
         self._d[id(inner)] = e
 
-    def get(self, t: torch.Tensor) -> tuple[Node, int, str, torch.Tensor | None] | None:
+    def get(self, t: torch.Tensor) -> tuple[torch.Tensor, str] | None:
+        """(the live subclass ``t`` is an inner tensor of, the attribute), or None."""
         e = self._d.get(id(t))
-        if e is None or e() is not t:
-            return None
-        return e.node, e.idx, e.attr, e.outer()
+        outer = e.outer() if e is not None and e() is t else None
+        return (outer, e.attr) if outer is not None else None  # type: ignore[union-attr]
 
 
-def note_inner(graph: Any, flat: Any, node: Node) -> None:
-    """Register the inner tensors of the wrapper subclasses among ``node``'s outputs
+def note_inner(graph: Any, flat: Any) -> None:
+    """Register the inner tensors of the wrapper subclasses among an op's outputs
     ``flat`` (Note [Wrapper subclasses made and unwrapped outside dispatch], 2)."""
-    for i, o in enumerate(flat):
+    for o in flat:
         if isinstance(o, torch.Tensor) and is_traceable_wrapper_subclass(o):
             made = _flatten(o)
             if made is not None:
                 index = graph.inners
                 if index is None:
                     index = graph.inners = InnerIndex()
-                for attr, inner in made[1].items():
-                    index.add(inner, node, i, attr, o)
+                for attr, inner in made[0].items():
+                    index.add(inner, attr, o)
 
 
 def conversion_ref(graph: Any, t: torch.Tensor) -> tuple[Node, int] | None:
@@ -180,30 +182,29 @@ def conversion_ref(graph: Any, t: torch.Tensor) -> tuple[Node, int] | None:
         made = _flatten(t)
         if made is None:
             return None
-        attrs, tensors, consts, ctx = made
+        tensors, consts, ctx = made
         inputs: tuple = ()
         producers = []
-        for k, a in enumerate(attrs):
-            e = graph.map.get(tensors[a])
-            if e is None or (e.version is not None and e.version != tensors[a]._version):
+        for k, inner in enumerate(tensors.values()):
+            e = graph.map.get(inner)
+            if e is None or (e.version is not None and e.version != inner._version):
                 return None
             producers.append(e.node)
             inputs += (k, e.node, e.idx)
-        op: Conversion = Rewrap(t, attrs, consts, ctx)
+        op: Conversion = Rewrap(t, list(tensors), consts, ctx)
     else:
         index = graph.inners
         found = index.get(t) if index is not None else None
         if found is None:
             return None
-        outer_node, outer_idx, attr, outer = found
-        # The subclass must still be that node's output, unwritten: a subclass's in-place op
-        # bumps its own version counter, not its inner tensor's.
-        e = graph.map.get(outer) if outer is not None else None
-        if e is None or e.node is not outer_node or e.idx != outer_idx \
-                or (e.version is not None and e.version != outer._version):
+        outer, attr = found
+        # What the subclass is in the graph now, unwritten since: a subclass's in-place op
+        # through a view bumps its own version counter, not its inner tensor's.
+        e = graph.map.get(outer)
+        if e is None or (e.version is not None and e.version != outer._version):
             return None
-        producers = [outer_node]
-        inputs = (0, outer_node, outer_idx)
+        producers = [e.node]
+        inputs = (0, e.node, e.idx)
         op = Unwrap(attr)
     for m in producers:  # a recorded view of each input (they share its storage)
         m.readers += 1
@@ -212,7 +213,7 @@ def conversion_ref(graph: Any, t: torch.Tensor) -> tuple[Node, int] | None:
     fqn = graph.frames[-1].module_fqn if graph.frames else ""
     node = graph.new_node(op, 1, fqn, inputs, (None,) * (len(inputs) // 3))
     graph.map.set(t, node, 0, version_of(t))
-    note_inner(graph, (t,), node)
+    note_inner(graph, (t,))
     if graph.observer is not None:  # a calibrating memory budget records it as a view
         graph.observer(node, op, (), {}, t)
     return node, 0

@@ -437,7 +437,7 @@ class Tracer(_GeneralPath, TorchDispatchMode):
             base = via[0]
             gmap.set(base, node, len(flat), base._version + bump)
         if types:  # Note [Wrapper subclasses made and unwrapped outside dispatch] (_subclass_wraps.py)
-            note_inner(graph, flat, node)
+            note_inner(graph, flat)
 
         if writes and not (fresh or over):
             returned = {id(o) for o in flat if isinstance(o, _Tensor)}
