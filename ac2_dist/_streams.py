@@ -41,7 +41,12 @@ Note [What side streams cost]
       so the two pools' peaks add up, each rounded to its segments (20 MiB for blocks over
       1 MiB, 2 MiB below);
     - the prefetched unit's values and its replay's temporaries, alive while the current
-      unit's backward runs: what prefetching costs on any stream;
+      unit's backward runs: what prefetching costs on any stream. On the side stream
+      the prefetch is paced so that the current and the prefetched units' values
+      together stay within one unit's (Note [A prefetch holds one unit's values ahead]
+      in _prefetch.py): the side pool holds one unit's replay, not two;
+    - the unsharded parameters a prefetch gathers, allocated on the side stream: the
+      unit being consumed and the one prefetched;
     - nothing held by ``record_stream`` for the values handed to the compute stream (Note
       [Tensors that cross streams] in replay.py): a hold lasts until the device reaches
       the free, and in a GPU-bound backward the host queues far ahead. Simulated, 4

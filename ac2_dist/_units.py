@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ._prefetch import prefetcher
 from ._region import _thread_state
 from ._streams import region_streams
 from .replay import ReplayConfig, trace_range
@@ -99,6 +100,9 @@ def link_for_prefetch(graph: Any, config: ReplayConfig, fqn: str, args: Any, kwa
         if log is not None:
             log("backward_start", fqn)
         g = this()
+        pacer = prefetcher()  # Note [A prefetch holds one unit's values ahead] (_prefetch.py)
+        if g is not None:
+            pacer.begin(g)
         level = list(g.prev) if g is not None else []
         done: set[int] = set()
         for _ in range(depth):
@@ -108,12 +112,8 @@ def link_for_prefetch(graph: Any, config: ReplayConfig, fqn: str, args: Any, kwa
                 if unit is None or id(unit) in done:
                     continue
                 done.add(id(unit))
-                if log is not None:
-                    log("prefetch_start", unit.fqn)
                 with trace_range("ac2::prefetch"):
-                    unit.prefetch()
-                if log is not None:
-                    log("prefetch_end", unit.fqn)
+                    pacer.start(unit, depth)
                 nxt.extend(unit.prev)
             level = nxt
 

@@ -45,7 +45,11 @@ that moves FSDP2 internals touches this file only.
 #     ``unshard()`` (a blocking all-gather into the same parameter storage); FSDP's own
 #     pre-backward then finds the unit unsharded and does not gather again, and its
 #     post-backward reshards as usual. FSDP preserves the parameters' version counters
-#     across its all-gathers, so the version check of saved values still holds.
+#     across its all-gathers, so the version check of saved values still holds. A
+#     prefetch paced by bytes issues the all-gather earlier, where it starts
+#     (``unshard(async_op=True)``); the replay's ``unshard()`` then only waits for it and
+#     copies the parameters out (Note [A prefetch holds one unit's values ahead] in
+#     _prefetch.py).
 
 from __future__ import annotations
 

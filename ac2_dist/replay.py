@@ -17,7 +17,9 @@ ahead backward replays are prefetched.
 #     reads are an FSDP unit's: the first read waits for (or triggers) that unit's
 #     unshard (Note [Replays unshard what they read] in fsdp.py), so a replay never
 #     reads resharded storage and the unit is still gathered once. At most the current
-#     unit's and the prefetched units' recomputed values are alive.
+#     unit's and the prefetched units' recomputed values are alive. On a side stream the
+#     prefetch is paced by bytes and unshards its units when it starts (Note [A prefetch
+#     holds one unit's values ahead] in _prefetch.py).
 #
 # Note [Replay environment]
 #     A replay re-runs the *post-dispatch* op the tracer recorded, with the recorded
@@ -191,7 +193,10 @@ class ReplayConfig:
         prefetch: how many checkpointed modules ahead backward replays are run when a
             module's backward starts (0, 1 or 2). ``None``: 1 on CUDA, 0 on CPU. Only
             modules checkpointed with ``apply_ac`` / ``wrap`` are prefetched (the order
-            of units is known there).
+            of units is known there). On a side stream the prefetch is paced: the
+            recomputed values of the current and the prefetched modules stay within
+            ``prefetch`` times one module's, and the prefetch goes on as the current
+            module's backward frees its values.
         log: called as ``log(event, module_fqn)`` for ``backward_start``,
             ``prefetch_start``, ``prefetch_end``, ``unshard`` (a replay unsharded an
             FSDP unit), ``unsharded`` (it found the unit gathered) and
@@ -275,6 +280,9 @@ class InlineExecutor:
     #: ends in), two Python frames less per op. An executor whose ``run`` does more per
     #: op sets this False.
     calls_ops_directly = True
+    # See Note [A prefetch holds one unit's values ahead] in _prefetch.py.
+    #: Prefetches are paced by a byte budget: not on the calling stream (one pool).
+    paced_prefetch = False
 
     def __init__(self, thread_state: Any) -> None:
         self._state_of_thread = thread_state
@@ -291,6 +299,12 @@ class InlineExecutor:
     def hand_over(self, value: Any, ready: Any) -> Any:
         """Make a prefetched value usable by the calling stream."""
         return value
+
+    def ahead(self, graph: Graph, fn: Callable[[], Any]) -> Any:
+        """Call ``fn`` where this executor's prefetches run (the FSDP all-gathers a
+        prefetch issues ahead of its replays)."""
+        # See Note [A prefetch holds one unit's values ahead] in _prefetch.py.
+        return fn()
 
     def _realize(self, graph: Graph, node: Node, idx: int) -> Any:
         replaying = self._state_of_thread().replaying
@@ -347,6 +361,7 @@ class SideStreamExecutor(InlineExecutor):
 
     # See Note [Nothing waits behind another unit].
     takes_existing = False  # an existing value may have been made on the side stream
+    paced_prefetch = True  # its own allocator pool (Note [A prefetch holds one unit's values ahead])
 
     def __init__(self, thread_state: Any, streams: StreamBackend, stream: Any = None) -> None:
         super().__init__(thread_state)
@@ -389,6 +404,18 @@ class SideStreamExecutor(InlineExecutor):
             value = self._realize(graph, node, idx)
         graph.side_ready = ready = side.record_event()
         return value, ready
+
+    def ahead(self, graph: Graph, fn: Callable[[], Any]) -> Any:
+        # On the side stream, as the replays that read what it makes: an FSDP unshard's
+        # parameters are then allocated from the side pool, as when a replay unshards.
+        streams = self._streams
+        side = self._side()
+        self._waits_for = consumer = streams.current_stream()
+        side.wait_stream(consumer)
+        with streams.use(side):
+            out = fn()
+        graph.side_ready = side.record_event()
+        return out
 
     def hand_over(self, value: Any, ready: Any) -> Any:
         streams = self._streams

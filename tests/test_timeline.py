@@ -202,8 +202,9 @@ def test_hidden_replay_time_against_the_ideal(runs):
 def test_what_side_streams_cost_in_memory(runs):
     """Note [What side streams cost] in ac2_dist/_streams.py, bounded part by part against
     torch's checkpoint. Allocated: the side stream's cuBLAS workspace, and what prefetch 1
-    holds beyond inline, the prefetched unit's values and its replay's temporaries (at most
-    two blocks' no-AC activations). Reserved: the same, plus the granularity of the side
+    holds beyond inline: paced by bytes (Note [A prefetch holds one unit's values ahead] in
+    _prefetch.py), at most one block's no-AC activations (unpaced it was two: 143.1 MiB
+    allocated here against 134.7). Reserved: the same, plus the granularity of the side
     stream's own pool (a 20 MiB segment for its large blocks, another for the rest).
     Before the hand-over stopped using record_stream, a replayed value was held until the
     compute stream's execution reached its free (4 blocks of 1024 wide: 1590 MiB reserved
@@ -213,8 +214,8 @@ def test_what_side_streams_cost_in_memory(runs):
     block = _block_activations(runs) / MiB
     workspace = DEV.cublas_workspace / MiB
     assert inline["allocated_mib"] <= torch_["allocated_mib"] and inline["reserved_mib"] <= torch_["reserved_mib"]
-    assert side["allocated_mib"] <= torch_["allocated_mib"] + workspace + 2 * block, (side, torch_, block)
-    assert side["reserved_mib"] <= torch_["reserved_mib"] + workspace + 2 * block + 2 * 20, (side, torch_, block)
+    assert side["allocated_mib"] <= torch_["allocated_mib"] + workspace + block, (side, torch_, block)
+    assert side["reserved_mib"] <= torch_["reserved_mib"] + workspace + block + 2 * 20, (side, torch_, block)
 
 
 def _block_activations(runs) -> int:

@@ -248,6 +248,15 @@ class Graph(_GraphBackward):
         # none ran): what a value it made is ready on (Note [Nothing waits behind another
         # unit] in replay.py).
         self.side_ready: Any = None
+        # A prefetch that stopped at its byte budget: the handles it has still to realize,
+        # the next last (Note [A prefetch holds one unit's values ahead] in _prefetch.py),
+        # and the per-thread prefetcher that resumes it (called after a parked value is
+        # handed over: the bytes the budget counts went down).
+        self.prefetch_todo: list[Handle] = []
+        self.pump: Any = None
+        # The FSDP units whose unsharded parameters are leaves of this graph, in the order
+        # first marked (mark_fsdp_params): a prefetch unshards them when it starts.
+        self.fsdp_units: list[weakref.ref] = []
         # The user's saved-tensor hooks around the region, as a SAVE_WITH_HOOKS, under
         # respect_saved_tensors_hooks=True: the op outputs the region saves go through them
         # (Note [The user's saved-tensor hooks] in _region.py). None: they do not.
@@ -475,7 +484,11 @@ class Graph(_GraphBackward):
                     and not getattr(node.op, "ac2_conversion", False) and op_info(node.op).aliases:
                 node = node.inputs[1]
             if node is not None and node.op is None:
-                node.fsdp_unit = ref = ref or weakref.ref(unit)
+                if ref is None:
+                    ref = weakref.ref(unit)
+                    if all(r() is not unit for r in self.fsdp_units):
+                        self.fsdp_units.append(ref)
+                node.fsdp_unit = ref
 
     def _save_in_place(self, node: Node, idx: int, t: torch.Tensor, decision: Decision, reason: str, allow: bool) -> None:
         keep = node.op is None or not (t.is_floating_point() or t.is_complex())

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..compile import skip_dynamo
-from ..fsdp import ensure_unsharded
+from ..fsdp import ensure_unsharded, is_unsharded
 from ._history import recompute_with_history
 from ._nodes import FREED, Handle, Node, Saved, tensor_nbytes
 from ._replayer import Replayer
@@ -220,36 +220,44 @@ class _GraphBackward(Replayer):
                 else:
                     h.prefetched = h.ready = None
                     self._unpark(value)
-                return _remember(h, self.executor.hand_over(value, ready))
-            task = torch._C._current_graph_task_id()
-            if task < 0 or (h.consumed_task == task and h.taken >= h.count):
-                # Read outside backward, or once more than it was saved in the same
-                # backward (a custom Function reading ctx.saved_tensors twice): the value
-                # the first read returned if it is still alive, else one extra use of
-                # this value (Note [One handle per saved value] in _nodes.py).
-                v = h.last() if h.last is not None and task >= 0 else None
-                if v is not None:
-                    return v
-                self.arm(h.node, h.idx)
-                return self.executor.realize(self, h.node, h.idx)
-            if h.consumed_task is not None and h.consumed_task != task:
-                self._new_epoch(task)  # a retained graph differentiated again
-            node, idx = h.node, h.idx
-            saved, values = node.saved, node.values
-            if (saved is None or saved[idx] is None) and values is not None and values[idx] is not None \
-                    and self.executor.takes_existing:
-                v = self.take(node, idx)  # _existing's first case, inlined (Note [Unpacking a value that exists])
+                v = _remember(h, self.executor.hand_over(value, ready))
             else:
-                v = self._existing(node, idx) if self.executor.takes_existing else _MISSING
-                if v is _MISSING:
-                    v = self.executor.realize(self, node, idx)
-            # _took(h, task) and _remember(h, v), inlined (one unpack per saved tensor)
-            if h.consumed_task is None:
-                h.consumed_task, h.taken = task, 1
-            else:
-                h.taken += 1
-            h.last = weakref.ref(v) if isinstance(v, torch.Tensor) else None
-            return v
+                task = torch._C._current_graph_task_id()
+                if task < 0 or (h.consumed_task == task and h.taken >= h.count):
+                    # Read outside backward, or once more than it was saved in the same
+                    # backward (a custom Function reading ctx.saved_tensors twice): the value
+                    # the first read returned if it is still alive, else one extra use of
+                    # this value (Note [One handle per saved value] in _nodes.py).
+                    v = h.last() if h.last is not None and task >= 0 else None
+                    if v is not None:
+                        return v
+                    self.arm(h.node, h.idx)
+                    return self.executor.realize(self, h.node, h.idx)
+                if h.consumed_task is not None and h.consumed_task != task:
+                    self._new_epoch(task)  # a retained graph differentiated again
+                node, idx = h.node, h.idx
+                saved, values = node.saved, node.values
+                if (saved is None or saved[idx] is None) and values is not None and values[idx] is not None \
+                        and self.executor.takes_existing:
+                    v = self.take(node, idx)  # _existing's first case, inlined (Note [Unpacking a value that exists])
+                else:
+                    v = self._existing(node, idx) if self.executor.takes_existing else _MISSING
+                    if v is _MISSING:
+                        v = self.executor.realize(self, node, idx)
+                # _took(h, task) and _remember(h, v), inlined (one unpack per saved tensor)
+                if h.consumed_task is None:
+                    h.consumed_task, h.taken = task, 1
+                else:
+                    h.taken += 1
+                h.last = weakref.ref(v) if isinstance(v, torch.Tensor) else None
+                return v
+        # Only a parked value's unpack gets here: the bytes a budgeted prefetch counts
+        # went down, so it may go on (Note [A prefetch holds one unit's values ahead]
+        # in _prefetch.py), outside this graph's lock.
+        pump = self.pump
+        if pump is not None:
+            pump()
+        return v
 
     def _backward_begins(self) -> None:
         fn, self.on_backward = self.on_backward, None
@@ -291,8 +299,10 @@ class _GraphBackward(Replayer):
     # Note [Deterministic prefetch order]
     #     Realizing handles may unshard FSDP units (a collective), so every walk that
     #     can replay goes in an order fixed by pack order (the program's order, the
-    #     same on every rank; the prefetch walks it backwards): a WeakSet's iteration
-    #     order follows memory addresses and differs between ranks.
+    #     same on every rank): a WeakSet's iteration order follows memory addresses and
+    #     differs between ranks. A prefetch under a byte budget (_prefetch.py) replays
+    #     at points that depend on sizes, so it unshards its units when it starts
+    #     (``unshard_ahead``), at the same point on every rank.
     #
     # Note [Handles are weakly listed]
     #     The graph keeps a plain weak reference to each handle, appended at pack time
@@ -320,22 +330,33 @@ class _GraphBackward(Replayer):
             refs = self._handle_refs[first:]
         return [h for h in (r() for r in refs) if h is not None]
 
-    def prefetch(self) -> int:
+    def prefetch(self, budget: Any = None) -> int:
         """Realize every handle not yet consumed in this backward and park the value
-        on it. Returns how many.
+        on it, in pack order, while ``budget()`` (if given) says there is room. Returns
+        how many were realized; the rest wait in ``prefetch_todo`` for
+        :meth:`prefetch_more` (Note [A prefetch holds one unit's values ahead] in
+        _prefetch.py).
 
-        Handles are walked in reverse pack order: the order autograd unpacks a chain
-        of layers in, so that the private replays of nested modules run as often as
-        without prefetch (in pack order a layer's output was needed again after its
-        readers had dropped it: recomputed once more per layer). The order is the same
-        on every rank; any order is correct.
+        Handles are walked in pack order (the program's order, the same on every rank):
+        each realize replays only the ops up to its value, so a budgeted prefetch
+        allocates a few values at a time instead of the whole chain at its first step.
 
         A graph with nested checkpointed modules (cut nodes) is not prefetched."""
         # See Note [Prefetching the next unit's replay] in replay.py; the order: Note
-        # [Deterministic prefetch order] (above), Note [A private replay holds what it
-        # reads] in _replayer.py; cut nodes: Note [Prefetch stops at nested modules] in
-        # _graph.py.
+        # [Deterministic prefetch order] (above); cut nodes: Note [Prefetch stops at
+        # nested modules] in _graph.py.
         if self.has_cuts:
+            return 0
+        with self.lock:
+            handles = self.live_handles()
+            handles.reverse()  # popped from the end: pack order
+            self.prefetch_todo = handles
+        return self.prefetch_more(budget)
+
+    def prefetch_more(self, budget: Any = None) -> int:
+        """Go on with a prefetch :meth:`prefetch` started, while ``budget()`` is true."""
+        todo = self.prefetch_todo
+        if not todo:
             return 0
         task = torch._C._current_graph_task_id()
         if self.tracker is not None:
@@ -343,7 +364,10 @@ class _GraphBackward(Replayer):
         done = 0
         with self.lock:
             self.settle()
-            for h in reversed(self.live_handles()):
+            while todo:
+                if budget is not None and not budget():
+                    break
+                h = todo.pop()
                 if h.prefetched is not None or (h.consumed_task == task and h.taken >= h.count):
                     continue
                 if h.consumed_task is not None and h.consumed_task != task:
@@ -362,6 +386,25 @@ class _GraphBackward(Replayer):
         # A value this backward does not unpack (it stops early, or the graph belongs
         # to another loss's backward) stays parked for the backward that does.
         return done
+
+    def cancel_prefetch(self) -> None:
+        """Realize no more handles ahead: this unit's backward has begun, and what the
+        prefetch did not reach is replayed when unpacked."""
+        self.prefetch_todo = []
+
+    def unshard_ahead(self) -> None:
+        """Start the all-gather of every FSDP unit whose parameters this graph's replays
+        read, in a fixed order: a paced prefetch replays at points that depend on bytes,
+        so the collectives are issued where the prefetch starts (Note [Deterministic
+        prefetch order]). The first replay that reads a unit's parameter waits for its
+        all-gather and copies the parameters out (``ensure_unsharded``): they are
+        allocated then, paced with the values."""
+        for ref in self.fsdp_units:
+            module = ref()
+            if module is not None and not is_unsharded(module):
+                self.executor.ahead(self, lambda m=module: m.unshard(async_op=True))
+                if self.log is not None:
+                    self.log("unshard", _wrapped_fqn(module, self.fqn))
 
     # Note [A prefetch serves every use of a handle]
     #     A handle stands for every save of one value (Note [One handle per saved value]
