@@ -42,6 +42,14 @@ Note [Wrapper subclasses made and unwrapped outside dispatch]
     tensor with a history returns a non-leaf. A replayed conversion adds nothing to
     ``recomputed_bytes`` (its output is its input's storage); ``cached_bytes`` still counts a
     wrapper and its inner tensor apart while both wait for consumers (the report only).
+
+    An in-place op on a wrapper made by a constructor from a tensor the region knows (a
+    ``from_local`` DTensor of a region value or input) writes that tensor's memory below
+    the region: the subclass's op unwraps and writes the inner tensor, whose version
+    counter does not move, so every reader of it, before or after the write, would be
+    replayed from the wrong value. It is refused where it happens (``refuse_hidden_write``)
+    with the ways out; a wrapper an op made (an op output the graph maps) is written as
+    any op output.
 """
 
 from __future__ import annotations
@@ -157,6 +165,29 @@ class InnerIndex:
         e = self._d.get(id(t))
         outer = e.outer() if e is not None and e() is t else None
         return (outer, e.attr) if outer is not None else None  # type: ignore[union-attr]
+
+
+def refuse_hidden_write(graph: Any, written: Any, func: Any, module_fqn: str) -> None:
+    """Raise if ``func`` writes in place to a wrapper subclass made outside dispatch from
+    a tensor ``graph`` knows (Note [Wrapper subclasses made and unwrapped outside
+    dispatch], last paragraph)."""
+    for w in written:
+        if not is_traceable_wrapper_subclass(w) or w.is_leaf:
+            continue
+        e = graph.map.get(w)
+        if e is not None and not getattr(e.node.op, "ac2_conversion", False):
+            continue  # an op's output: the write is recorded on it
+        made = _flatten(w)
+        if made is None or not any(graph.map.get(t) is not None for t in made[0].values()):
+            continue
+        where = f" in {module_fqn}" if module_fqn else ""
+        raise RuntimeError(
+            f"ac2_dist: {func}{where} writes in place to a {type(w).__name__} that was made from a "
+            "tensor of this checkpointed region by a Python constructor (e.g. DTensor.from_local), "
+            "not by an op: the write changes that tensor's memory where the region cannot see it, "
+            "so recomputing what reads it would give wrong gradients. Write to the tensor before "
+            "wrapping it, or use the out-of-place op (d = d * 3 instead of d.mul_(3))."
+        )
 
 
 def note_inner(graph: Any, flat: Any) -> None:

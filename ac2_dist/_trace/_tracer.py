@@ -121,7 +121,7 @@ from ..side_effects import _INFO, OpInfo, SideEffect, op_info
 from ._collective_probe import _COMMUNICATING, _CollectiveProbe
 from ._graph import Graph
 from ._nodes import NO_KWARGS, Handle, MapEntry, Node, Saved, alias, flatten_outputs, version_of
-from ._subclass_wraps import note_inner
+from ._subclass_wraps import note_inner, refuse_hidden_write
 from ._tracer_general import _NONES, _GeneralPath
 from ._writes import literal, overwritten, write_aliases
 
@@ -257,6 +257,8 @@ class Tracer(_GeneralPath, TorchDispatchMode):
         written = via = aliases = None
         if writes:
             written = self._before_writes(info, args, kwargs)
+            if types:  # Note [Wrapper subclasses made and unwrapped outside dispatch] (_subclass_wraps.py)
+                refuse_hidden_write(self.graph, written.values(), func, inner.module_fqn)
             if info.accumulators:  # Note [Statistics an op accumulates] (side_effects.py)
                 accum = info.accumulates(args)
             elif info.overwrites and overwritten(info, written, args, kwargs):
