@@ -64,7 +64,8 @@ try:
 except ImportError:  # torch built without distributed
     FSDPModule = None  # type: ignore[assignment,misc]
 
-__all__ = ["is_fsdp_unit", "unsharded_params", "is_unsharded", "ensure_unsharded", "own_ops_scope"]
+__all__ = ["is_fsdp_unit", "unsharded_params", "is_unsharded", "is_gathered_or_gathering", "ensure_unsharded",
+           "own_ops_scope"]
 
 # See Note [FSDP's own ops are not structure].
 #: FSDP profiler scopes whose ops compute the module's data.
@@ -92,6 +93,13 @@ def unsharded_params(module: nn.Module) -> list[torch.Tensor]:
 def is_unsharded(module: nn.Module) -> bool:
     group = _group(module)
     return group is None or group.is_unsharded
+
+
+def is_gathered_or_gathering(module: nn.Module) -> bool:
+    """The unit's parameters are unsharded, or an all-gather of them has been issued and
+    not waited for yet (``unshard(async_op=True)``)."""
+    group = _group(module)
+    return group is not None and (group.is_unsharded or getattr(group, "_all_gather_result", None) is not None)
 
 
 def ensure_unsharded(unit_ref: weakref.ref) -> bool:

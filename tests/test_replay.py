@@ -103,11 +103,11 @@ def test_prefetch_order_grads_and_memory_bound(depth, streams, request):
         assert max(sampler.units_alive) == 1 + depth
     else:
         # ...on a side stream, within ``depth`` units' bytes (the budget is checked
-        # before each realize: one realize past it at most), and still ahead.
+        # before each realize: one realize past it at most); each prefetch still ended
+        # before its unit's backward began (_order_holds).
         from ac2_dist._prefetch import prefetcher
 
         assert max(sampler.alive) <= depth * prefetcher().unit_bytes + sampler.largest_value, sampler.alive
-        assert max(sampler.units_alive) >= 2
     assert all(s.cached_bytes == 0 for s in tracker.graph_stats)  # all handed out and freed
     assert tracker.report().recomputed_ops == base.report().recomputed_ops  # nothing replayed twice
 

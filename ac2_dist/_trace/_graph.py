@@ -240,7 +240,8 @@ class Graph(_GraphBackward):
         self.prev: list[weakref.ref] = []  # graphs of the units that produced this one's inputs
         self.fqn = ""
         self.log: Any = None
-        self._parked: dict[int, int] = {}  # id(prefetched value) -> handles holding it
+        # id(prefetched value) -> (handles holding it, whether a replay made it)
+        self._parked: dict[int, tuple[int, bool]] = {}
         # id(handle) -> unpacks of this backward its parked value still serves (Note [A
         # prefetch serves every use of a handle] in _graph_backward.py)
         self._parked_uses: dict[int, int] = {}

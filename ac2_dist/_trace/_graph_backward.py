@@ -381,7 +381,8 @@ class _GraphBackward(Replayer):
                     _took(h, task)  # the parked value serves each of these unpacks
                 if uses > 1:
                     self._parked_uses[id(h)] = uses
-                self._park(value)
+                saved = h.node.saved
+                self._park(value, saved is None or saved[h.idx] is None)
                 done += 1
         # A value this backward does not unpack (it stops early, or the graph belongs
         # to another loss's backward) stays parked for the backward that does.
@@ -419,21 +420,23 @@ class _GraphBackward(Replayer):
     #     The value was cached for those uses anyway (the graph's use counts keep it until
     #     the last one): parking them holds nothing longer.
 
-    def _park(self, value: Any) -> None:
-        """Account a prefetched value once, however many handles hold it."""
+    def _park(self, value: Any, recomputed: bool) -> None:
+        """Account a prefetched value once, however many handles hold it; in
+        ``cached_bytes`` only if a replay made it (a saved value parked is not a
+        recomputed value)."""
         if isinstance(value, torch.Tensor):
-            n = self._parked.get(id(value), 0)
-            self._parked[id(value)] = n + 1
-            if n == 0:
+            n, _ = self._parked.get(id(value), (0, recomputed))
+            self._parked[id(value)] = (n + 1, recomputed)
+            if n == 0 and recomputed:
                 self.stats.cached_bytes += tensor_nbytes(value)
                 self.stats.peak_cached_bytes = max(self.stats.peak_cached_bytes, self.stats.cached_bytes)
 
     def _unpark(self, value: Any) -> None:
         if isinstance(value, torch.Tensor):
-            n = self._parked.pop(id(value)) - 1
-            if n:
-                self._parked[id(value)] = n
-            else:
+            n, recomputed = self._parked.pop(id(value))
+            if n > 1:
+                self._parked[id(value)] = (n - 1, recomputed)
+            elif recomputed:
                 self.stats.cached_bytes -= tensor_nbytes(value)
 
     def _new_epoch(self, task: int) -> None:

@@ -94,7 +94,7 @@ class Replayer:
 
     uses: array  # pending uses per node output (Note [Use counts live in one array])
     stats: GraphStats
-    _parked: dict[int, int]  # id(prefetched value) -> handles holding it
+    _parked: dict[int, tuple[int, bool]]  # id(prefetched value) -> (handles holding it, replayed)
     executor: Any  # runs one node (ac2_dist.replay: inline, side stream)
     tracker: Any  # an active ac2_dist.memory.Tracker, if any
     rng_chains: list[RngChain]
