@@ -178,7 +178,7 @@ class _Group:
         op.region.__exit__(exc_type, exc, tb)
         if exc_type is not None:
             return
-        after_region(op.region, self.config, self.name, op.args, op.kwargs, output, op.device.type == "cuda")
+        after_region(op.region, self.config, self.name, op.args, op.kwargs, output, op.device.type == "cuda", self)
 
     # ---- copies --------------------------------------------------------------------------
     def __deepcopy__(self, memo: dict) -> _Group:

@@ -91,7 +91,7 @@ class _CheckpointedForward:
                 out = type(module).forward(module, *args, **kwargs)
             if is_fsdp_unit(module):  # our region runs inside FSDP's pre/post-forward
                 _thread_state().graph.mark_fsdp_params(unsharded_params(module), module)
-        after_region(region, self.config, self.source.module_fqn, args, kwargs, out, device.type == "cuda")
+        after_region(region, self.config, self.source.module_fqn, args, kwargs, out, device.type == "cuda", self)
         return out
 
     def __deepcopy__(self, memo: dict) -> _CheckpointedForward:

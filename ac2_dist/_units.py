@@ -79,7 +79,7 @@ def _producers(inputs: list[torch.Tensor]) -> list[weakref.ref]:
 
 
 def link_for_prefetch(graph: Any, config: ReplayConfig, fqn: str, args: Any, kwargs: Any, out: Any,
-                       on_cuda: bool) -> None:
+                       on_cuda: bool, key: Any = None) -> None:
     """Note [Prefetching the next unit's replay] (replay.py), linked by data flow (Note
     [Prefetch follows data flow]): prefetch this unit's producers when its backward starts.
     ``on_cuda``: the unit runs on CUDA (Note [The device comes from the tensors])."""
@@ -91,6 +91,7 @@ def link_for_prefetch(graph: Any, config: ReplayConfig, fqn: str, args: Any, kwa
     inputs = [t for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
     outputs = [t for t in leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
     graph.prev, graph.fqn, graph.log = _producers(inputs), fqn, log
+    graph.unit_key = key  # Note [A prefetch holds one unit's values ahead] (_prefetch.py)
     this = weakref.ref(graph)
     for t in outputs:
         if t.grad_fn is not None:
@@ -123,12 +124,13 @@ def link_for_prefetch(graph: Any, config: ReplayConfig, fqn: str, args: Any, kwa
         torch.autograd.graph.register_multi_grad_hook(inputs, lambda _g: log("backward_end", fqn), mode="any")
 
 
-def after_region(region: Any, config: ReplayConfig, fqn: str, args: Any, kwargs: Any, out: Any, on_cuda: bool) -> None:
+def after_region(region: Any, config: ReplayConfig, fqn: str, args: Any, kwargs: Any, out: Any, on_cuda: bool,
+                 key: Any = None) -> None:
     """A unit's region has exited without error: link its graph for prefetch, or, nested
     in a recording region (the outer one records), make its outputs recompute
     boundaries of the outer one (Note [Nested modules cut the replay] in _graph.py)."""
     if region.graph is not None:
-        link_for_prefetch(region.graph, config, fqn, args, kwargs, out, on_cuda)
+        link_for_prefetch(region.graph, config, fqn, args, kwargs, out, on_cuda, key)
         return
     graph = _thread_state().graph
     if graph is not None and graph.map is not None:

@@ -193,10 +193,11 @@ class ReplayConfig:
         prefetch: how many checkpointed modules ahead backward replays are run when a
             module's backward starts (0, 1 or 2). ``None``: 1 on CUDA, 0 on CPU. Only
             modules checkpointed with ``apply_ac`` / ``wrap`` are prefetched (the order
-            of units is known there). On a side stream the prefetch is paced: the
-            recomputed values of the current and the prefetched modules stay within
-            ``prefetch`` times one module's, and the prefetch goes on as the current
-            module's backward frees its values.
+            of units is known there). On a side stream the prefetch is paced, from a
+            module's second backward on: the recomputed values and gathered parameters of
+            the current and the prefetched modules are kept to ``prefetch`` modules'
+            values and parameters plus the current module's parameters, and the prefetch
+            goes on as the current module's backward frees its values.
         log: called as ``log(event, module_fqn)`` for ``backward_start``,
             ``prefetch_start``, ``prefetch_end``, ``unshard`` (a replay unsharded an
             FSDP unit), ``unsharded`` (it found the unit gathered) and

@@ -74,9 +74,14 @@ def _order_holds(events: _Sampler, depth: int, paced: bool = False) -> None:
             # Paced by bytes on a side stream (Note [A prefetch holds one unit's values
             # ahead] in _prefetch.py), unit i-2's prefetch goes on as unit i's and i-1's
             # values are used: done before unit i-k's own backward starts.
+            if paced:  # started once, when the first unit ahead of it began its backward
+                began = events.index("prefetch_start", prev)
+                assert events.index("backward_start", f"layers.{min(i - k + depth, LAYERS - 1)}") < began
+                assert began < events.index("prefetch_end", prev) < events.index("backward_start", prev)
+                continue
             assert start < events.events.index(("prefetch_start", prev), start)
             end = events.events.index(("prefetch_end", prev), start)
-            assert end < events.index("backward_start" if paced else "backward_end", prev if paced else f"layers.{i}")
+            assert end < events.index("backward_end", f"layers.{i}")
 
 
 @pytest.mark.parametrize("streams", ["inline", "simulated"])
@@ -107,7 +112,9 @@ def test_prefetch_order_grads_and_memory_bound(depth, streams, request):
         # before its unit's backward began (_order_holds).
         from ac2_dist._prefetch import prefetcher
 
-        assert max(sampler.alive) <= depth * prefetcher().unit_bytes + sampler.largest_value, sampler.alive
+        values, params = prefetcher().this_backward
+        assert params == 0  # no FSDP here: the budget is depth units' recomputed values
+        assert max(sampler.alive) <= depth * values + sampler.largest_value, sampler.alive
     assert all(s.cached_bytes == 0 for s in tracker.graph_stats)  # all handed out and freed
     assert tracker.report().recomputed_ops == base.report().recomputed_ops  # nothing replayed twice
 

@@ -255,6 +255,7 @@ class Graph(_GraphBackward):
         # handed over: the bytes the budget counts went down).
         self.prefetch_todo: list[Handle] = []
         self.pump: Any = None
+        self.unit_key: Any = None  # what the prefetcher keeps this unit's figures under (its wrapper)
         # The FSDP units whose unsharded parameters are leaves of this graph, in the order
         # first marked (mark_fsdp_params): a prefetch unshards them when it starts.
         self.fsdp_units: list[weakref.ref] = []

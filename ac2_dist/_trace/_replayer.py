@@ -36,9 +36,10 @@ Note [A private replay holds what it reads]
     it runs and the cut nodes it fills return, whether the graph caches them too or
     not; and it drops each reference after its own last read of it. It never goes
     back to the graph for a value, so it is correct in any order of consumers and
-    still holds only its live frontier. (The prefetch walks handles in reverse pack
-    order, autograd's order for a chain of layers, so that prefetching recomputes no
-    more than backward without it: an economy, not what makes it safe.)
+    still holds only its live frontier. (A graph with nested checkpointed modules is
+    not prefetched, so a prefetch never runs private replays: it walks handles in pack
+    order, which its pacing needs: Note [A prefetch holds one unit's values ahead] in
+    _prefetch.py.)
 """
 
 from __future__ import annotations

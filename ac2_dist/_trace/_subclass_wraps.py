@@ -172,7 +172,9 @@ def refuse_hidden_write(graph: Any, written: Any, func: Any, module_fqn: str) ->
     a tensor ``graph`` knows (Note [Wrapper subclasses made and unwrapped outside
     dispatch], last paragraph)."""
     for w in written:
-        if not is_traceable_wrapper_subclass(w) or w.is_leaf:
+        # A parameter (a DTensor one, FSDP2's unsharded ones) is what its module holds, not
+        # made from a region tensor; from_local of a tensor without grad is a leaf too.
+        if not is_traceable_wrapper_subclass(w) or isinstance(w, torch.nn.Parameter):
             continue
         e = graph.map.get(w)
         if e is not None and not getattr(e.node.op, "ac2_conversion", False):
