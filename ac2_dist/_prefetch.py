@@ -84,6 +84,7 @@ class _Prefetcher:
         self.depth = 1
         self.task: int | None = None  # the backward these graphs belong to
         self._pump = self.run
+        self._stopped: weakref.WeakSet = weakref.WeakSet()  # prefetches room() stopped: no figures from them
 
     def begin(self, graph: Any) -> None:
         """``graph``'s unit starts its backward: its own prefetch stops here."""
@@ -136,6 +137,7 @@ class _Prefetcher:
         depends on byte counts."""
         if not all(is_gathered_or_gathering(m) for r in graph.fsdp_units if (m := r()) is not None):
             graph.cancel_prefetch()  # the rest is replayed when unpacked, in autograd's order
+            self._stopped.add(graph)
             _log(graph, "prefetch_end")
             return False
         held = others = 0
@@ -171,7 +173,7 @@ class _Prefetcher:
         return fig if fig is not None else self.this_backward
 
     def _ran(self, graph: Any) -> None:
-        if not graph.prefetch_todo:  # ran to the end, before its unit's backward began
+        if not graph.prefetch_todo and graph not in self._stopped:  # ran to the end, before its unit's backward
             fig = (graph.stats.cached_bytes, _gathered_bytes(graph))
             if graph.unit_key is not None:
                 self.figures[graph.unit_key] = fig
