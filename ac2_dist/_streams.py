@@ -47,6 +47,13 @@ Note [What side streams cost]
       in _prefetch.py): the side pool holds one unit's replay, not two;
     - the unsharded parameters a prefetch gathers, allocated on the side stream: the
       unit being consumed and the one prefetched;
+    - so the side pool holds one unit's replay beside a compute pool that keeps torch's
+      checkpoint's size (the backward's gradient temporaries find there the blocks torch's
+      recompute would have freed): 8 Llama blocks of 1024, prefetch 1, compute pool 886
+      MiB as torch's, side pool 386 (one unit's values 168 MiB allocated, two units'
+      parameters 2 x 48, the workspace 32, the rest its segments' rounding). Gathering the
+      parameters into the compute pool instead grew that pool by more than it saved
+      (1752 MiB reserved against 1676: launch/results/bench_overlap_2026-11-29.md);
     - nothing held by ``record_stream`` for the values handed to the compute stream (Note
       [Tensors that cross streams] in replay.py): a hold lasts until the device reaches
       the free, and in a GPU-bound backward the host queues far ahead. Simulated, 4

@@ -290,7 +290,10 @@ def simulate(
         target: a peak target (bytes or ``"70GiB"``): adds the planned mode
             (:meth:`SimulationReport.plan`).
         device: a named device (a key of ``DEVICES``) or ``(FLOP/s, bytes/s)``: the rates
-            recompute is priced with.
+            recompute is priced with. ``"cpu"`` simulates a CPU job, whose collectives
+            are gloo's: the buffers gloo makes inside an all-gather (one of the output's
+            size) and a reduce-scatter (a clone of the input) are counted; a GPU's NCCL
+            collectives make none.
         dtype: the dtype the model is built in (its parameters, gradients and
             optimizer states); without ``param_dtype`` also the one it computes in
             (picks the device's FLOP rate).
@@ -396,7 +399,7 @@ def simulate(
                         tp_plan)
         if fsdp == "per-block" else None)
     spec = _Spec(build, blocks, shard, batch, loss or _default_loss, optimizer, rates,
-                 tuple(tuple(g) for g in groups))
+                 tuple(tuple(g) for g in groups), gloo=str(device).lower() == "cpu")
     reports: list[ModeReport] = []
     floor: _Run | None = None
     need_floor = nbytes is not None or any(m.kind != "none" for m in wanted)

@@ -10,9 +10,10 @@ Note [A measured CPU step varies with gloo's threads]
     its own. So a measured step's peak is sometimes one or two such buffers higher
     (here 833 KiB each, +7 % to +16 %), and it varies from step to step and run to run
     (10.58 / 11.44 / 12.29 MiB for full AC in three runs). The simulation counts a
-    collective's buffers until its wait returns (the fake process group keeps
-    nothing), so it is compared with the lowest of five measured steps; the spread is
-    printed with the figures and named among what the simulation does not count.
+    collective's buffers, gloo's own among them (Note [gloo's buffers of its own] in
+    ac2_dist/_sim/_world.py), until its wait returns, so it is compared with the lowest
+    of five measured steps; the spread is printed with the figures and named among what
+    the simulation does not count.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from ..budget import MemoryBudget
 from ._kernels import NarrowFakes
 from ._meter import make_meter
 from ._policies import _ReplayCost
-from ._world import eager_collectives
+from ._world import GlooBuffers, eager_collectives
 
 __all__: list[str] = []
 
@@ -49,6 +49,7 @@ class _Spec:
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None
     rates: tuple[float, float]  # FLOP/s, bytes/s of the device recompute is priced for
     groups: tuple = ()  # apply_ac's ``groups``: modules checkpointed together as one region
+    gloo: bool = False  # a CPU job: count gloo's own buffers (Note [gloo's buffers of its own] in _world.py)
 
 
 @dataclass
@@ -172,7 +173,8 @@ def run_mode(spec: _Spec, policy: Any, factory: Any = None, count_replays: bool 
         meter.track_external(*[t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)])
         replays = _ReplayCost(spec.rates) if count_replays else None
         for step in range(2):
-            with meter, (replays if replays is not None and step == 1 else contextlib.nullcontext()):
+            with meter, (replays if replays is not None and step == 1 else contextlib.nullcontext()), \
+                    (GlooBuffers() if spec.gloo else contextlib.nullcontext()):
                 if step == 1:
                     meter.begin_step()
                     if recorder is not None:

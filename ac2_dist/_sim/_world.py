@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__: list[str] = []
 
@@ -131,6 +132,41 @@ def eager_collectives() -> Iterator[None]:
         yield
     finally:
         funcol._are_we_tracing = traced  # type: ignore[assignment]
+
+
+class GlooBuffers(TorchDispatchMode):
+    """Note [gloo's buffers of its own]
+        Simulating a CPU job (``device="cpu"``) simulates a gloo job, and gloo allocates
+        buffers FSDP2 does not see: its all-gather (``c10d._allgather_base_``) gathers into
+        a flat buffer of the output's size and copies it out, and its reduce-scatter
+        (``c10d._reduce_scatter_base_``) reduces in a clone of its input. Both are made
+        on the calling thread when the collective is issued (checked with torch 2.10, 2.13
+        and 2.14: the allocator's events name them inside the c10d op), so the step holds
+        one more block's unsharded parameters (or gradients) at each FSDP collective: in a
+        no-AC step the peak is at one (a backward all-gather, with the activations still
+        alive). Under this mode, the innermost one during a simulated step, each such op
+        makes a buffer of that size first and drops it when the op returns; the meter counts
+        it as the real allocator does. gloo lets go of them when its worker thread releases
+        the collective, sometimes after the next ops have run, so a real step can hold one
+        longer: that stays outside the count (the report's "collective buffers held past
+        their wait"). NCCL copies in place: no such buffers, and nothing is added when the
+        simulated device is a GPU."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        which = _GLOO_BUFFER_OF.get(func)
+        if which is None:
+            return func(*args, **kwargs)
+        held = torch.empty_like(args[which])  # gloo's flat output / its input's clone
+        try:
+            return func(*args, **kwargs)
+        finally:
+            del held
+
+
+#: c10d ops gloo makes a buffer for, and which argument's size (Note [gloo's buffers of its own])
+_GLOO_BUFFER_OF = {torch.ops.c10d._allgather_base_.default: 0, torch.ops.c10d._reduce_scatter_base_.default: 1} \
+    if dist.is_available() else {}
 
 
 def per_block_shard(blocks: Any, world_size: int, shard_size: int | None, param_dtype: torch.dtype | None = None,
