@@ -102,10 +102,11 @@ class SimulationReport:
     def plan(self, target: int | str, *, check: bool = True) -> ModeReport:
         """Solve for a peak ``target`` (bytes or ``"70GiB"``) on the simulated blocks
         (the planner of ``MemoryBudget(peak=...)``, from the simulated floor step) and,
-        with ``check``, simulate a step that runs the plan and, while that step leaves
-        more than 3 % of the target unused, the plans the job's planner would climb to
-        from it (up to 4 planned steps in all, as the job): the plan is the cheapest
-        whose simulated step stayed within the target. The plan is what
+        with ``check``, simulate the steps the job's planner would verify and correct it
+        with (up to 4 planned steps, as the job): while a step leaves more than 3 % of
+        the target unused the next plan saves more, while one is over the target the next
+        saves less; the plan is where they end (the cheapest within the target after 4).
+        The plan is what
         :meth:`save_plan` writes. Raises ValueError if the target is below the
         simulated floor, naming both."""
         floor = self._floor
@@ -126,12 +127,12 @@ class SimulationReport:
                 f"ac2_dist.simulate: target={target!r} ({nbytes} bytes) is below the simulated floor of rank "
                 f"{self.rank} ({human_bytes(floor_peak)}, {floor_peak} bytes: full AC in every block). Raise the "
                 f"target, shard over more ranks, or lower the batch size or sequence length")
+        name = f"target {target}" if isinstance(target, str) else f"target {human_bytes(nbytes)}"
+        run, guard = None, {}
+        if check:
+            choice, bases, guard, run = self._climb(options, tuple(choice), bases, nbytes)
         dks = [o[i].dk for o, i in zip(options, choice)]
         predicted = origin + max(base + sum(dks[:int(s.split(":")[1]) + 1]) for s, base in bases.items())
-        name = f"target {target}" if isinstance(target, str) else f"target {human_bytes(nbytes)}"
-        run = None
-        if check:
-            choice, bases, predicted, run = self._climb(options, tuple(choice), bases, predicted, nbytes)
         chosen = [o[i] for o, i in zip(options, choice)]
         report = ModeReport(name, predicted, floor.start, {}, "predicted (peak model)",
                             sum(o.flops for o in chosen), sum(o.seconds for o in chosen), {}, predicted)
@@ -142,7 +143,7 @@ class SimulationReport:
             _boundary(report, run, floor, self._spec.rates, self._link)
         meta = {"target": nbytes, "predicted_peak": predicted, "step_start": origin,
                 "world_size": self.world_size, "rank": self.rank,
-                "device": self.device, "torch": torch.__version__}
+                "device": self.device, "torch": torch.__version__, "guard": guard}
         self._plan = _plan_file.dump(fqns, floor.structure, floor.problems, tuple(choice), bases, meta)
         self.modes = [m for m in self.modes if m.name != name] + [report]
         return report
@@ -155,40 +156,60 @@ class SimulationReport:
         with fake_world(self.world_size, self.rank):
             return run_mode(self._spec, _Recorder(self._spec.rates, plans))
 
-    def _climb(self, options: list, choice: tuple[int, ...], bases: dict[str, int], predicted: int,
-               nbytes: int) -> tuple[tuple[int, ...], dict[str, int], int, _Run]:
-        """Run the plan in a simulated step, then as the job's planner would over its next
-        steps (Note [A plan file climbs as the job would]): while the step leaves more than
-        the planner's slack of the target unused, a plan priced from that step's segment
-        peaks up, simulated in turn; the cheapest whose step stayed within the target.
-        Returns its choice, the bases its prediction implies, that prediction and its run."""
+    def _climb(self, options: list, choice: tuple[int, ...], bases: dict[str, int],
+               nbytes: int) -> tuple[tuple[int, ...], dict[str, int], dict[str, int], _Run]:
+        """Run the plan in simulated steps as the job's planner verifies it (Note [A plan
+        file climbs as the job would]): each step's segment peaks correct the plan (over
+        the target: the bases rise to what the step implies; under by more than the
+        planner's slack: the next plan is priced from the step's peaks up), until a step
+        uses the target, the plan stops changing or ``_TRIES`` plans ran (then the
+        cheapest within the target, or the floor). Returns the plan, the model's bases and
+        the guard (the bases steps over the target implied) it ends with, and the run of
+        the plan returned."""
         floor = self._floor
         assert floor is not None
         origin = floor.start
+        cap = nbytes - origin
         problems = [floor.problems[floor.structure[f]] for f in floor.fqns]
         margin = max((p.records[s].nbytes for p in problems for s in p.candidates), default=0)
-        run = self._simulate_plan(options, choice)
-        best = (choice, bases, predicted, run)
-        for _ in range(_TRIES - 1):
-            top = all(i == len(o) - 1 for o, i in zip(options, choice))
-            if run.peak > nbytes or run.peak >= _USE * nbytes or top:
-                break
+        zero = tuple(0 for _ in options)
+        guard: dict[str, int] = {}
+        tried: list[tuple[float, tuple[int, ...], _Run]] = []
+        runs: dict[tuple[int, ...], _Run] = {}
+        for step in range(1, _TRIES + 1):
+            run = runs[choice] = self._simulate_plan(options, choice)
             peaks = {s: v - origin for s, v in run.segments.items()}
-            nxt, implied = _solve_from(options, problems, choice, peaks, nbytes - origin, margin)
-            if nxt == choice:
+            measured = max(peaks.values()) + origin
+            dks = [o[i].dk for o, i in zip(options, choice)]
+            implied = {s: peaks[s] - sum(dks[:int(s.split(":")[1]) + 1]) for s in peaks}
+            over = measured > nbytes
+            if over:
+                guard = {s: max(guard.get(s, implied[s]), implied[s]) for s in peaks}
+            else:
+                tried.append((sum(o[i].seconds for o, i in zip(options, choice)), choice, run))
+            top = all(i == len(o) - 1 for o, i in zip(options, choice))
+            if not over and (measured >= _USE * nbytes or top):
+                return choice, bases, guard, run
+            if step == _TRIES:
                 break
-            dks = [o[i].dk for o, i in zip(options, nxt)]
-            guess = origin + max(b + sum(dks[:int(s.split(":")[1]) + 1]) for s, b in implied.items())
-            run = self._simulate_plan(options, nxt)
-            choice = nxt
-            if run.peak <= nbytes:
-                best = (nxt, implied, guess, run)
-        return best
+            lowest = {s: max(implied[s], guard.get(s, implied[s])) for s in peaks}
+            before = choice
+            if over:
+                bases = {s: max(lowest[s], bases.get(s, lowest[s])) for s in peaks}
+                choice = _solve(options, bases, cap - margin) or zero
+            else:
+                choice, bases = _solve_from(options, problems, choice,
+                                            {s: peaks[s] - implied[s] + lowest[s] for s in peaks}, cap, margin)
+            if choice == before:
+                return choice, bases, guard, run
+        _, best, run = min(tried, key=lambda t: t[0]) if tried else (0.0, zero, None)
+        return best, bases, guard, run if run is not None else self._simulate_plan(options, best)
 
     def save_plan(self, path: str, target: int | str | None = None) -> None:
-        """Write the plan of the last :meth:`plan` call (or of ``target``) as a JSON file
-        for ``MemoryBudget(peak=..., plan=path)`` (versioned; keyed by module fqn and
-        block structure)."""
+        """Write the plan of the last :meth:`plan` call (or of ``target``: solved from the
+        simulated floor step, without the simulated steps that verify and correct it) as
+        a JSON file for ``MemoryBudget(peak=..., plan=path)`` (versioned; keyed by module
+        fqn and block structure)."""
         if target is not None:
             self.plan(target, check=False)
         if self._plan is None:
@@ -200,17 +221,22 @@ class SimulationReport:
 # Note [A plan file climbs as the job would]
 #     The peak model errs high (Note [The peak model] in _plan/_peak_model.py): a plan
 #     solved from the floor step's segment bases measures under its prediction, by 3 % to
-#     16 % on the tiny models of launch/bench_simulate.py, and a job verifies it and climbs
-#     (Note [Verify, correct, stay put] in _plan/_peak.py). A plan file followed in the
-#     job's first step would leave that headroom unused there, and the model's figure in
-#     the report is the first plan's. So ``plan(check=True)`` runs the job's next planned
-#     steps on the simulated rank: each simulated step's segment peaks price the next
-#     plan from there up (``_solve_from``, the job's own correction, with its margin),
-#     until a step uses at least ``_USE`` of the target, saves everything, stops changing,
-#     or ``_TRIES`` plans were simulated. The file keeps the cheapest plan whose
-#     simulated step stayed within the target, with the bases its prediction implied:
-#     the job starts where it would have settled, and the prediction it reports is priced
-#     from a simulated step, not from the floor's.
+#     16 % on the tiny models of launch/bench_simulate.py, and a job verifies it and
+#     corrects it (Note [Verify, correct, stay put] in _plan/_peak.py). A plan file
+#     followed in the job's first step would leave that headroom unused there, and the
+#     model's figure in the report would be the first plan's. So ``plan(check=True)``
+#     runs the job's verification on the simulated rank, step for step as _peak.py does
+#     it: each simulated step's segment peaks correct the plan (over the target, the
+#     bases rise to what the step implies, never below what an earlier step over the
+#     target implied -- the guard -- and the plan is solved again; under by more than
+#     ``1 - _USE``, the next plan is priced from the step's peaks up with the job's
+#     ``_solve_from`` and its margin), until a step uses the target, saves everything,
+#     the plan stops changing, or ``_TRIES`` plans ran (then the cheapest within the
+#     target, or the floor). The file holds that plan, the model's bases and the guard:
+#     the job starts where the simulated steps ended, measures its own steps and goes on
+#     correcting from there, and a plan the simulation saw overshoot is not chosen again.
+#     ``plan(check=False)`` (and ``save_plan(path, target)``) writes the plan solved from
+#     the floor step, unverified.
 
 
 class _NoBudget:
@@ -350,7 +376,7 @@ def simulate(
             recompute is priced with. ``"cpu"`` simulates a CPU job, whose collectives
             are gloo's: the buffers gloo makes inside an all-gather (one of the output's
             size) and a reduce-scatter (a clone of the input) are counted; a GPU's NCCL
-            collectives make none.
+            collectives make none (rates given as numbers are a GPU's).
         dtype: the dtype the model is built in (its parameters, gradients and
             optimizer states); without ``param_dtype`` also the one it computes in
             (picks the device's FLOP rate).

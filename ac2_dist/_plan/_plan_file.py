@@ -6,9 +6,12 @@ Note [A plan file is the planner's state]
     each block structure's problem (per op: its name, output shape, bytes, FLOPs,
     estimated seconds, inputs; the outputs backward needs, the forced and the written
     ones: enough to rebuild :class:`_Problem` and its options without a graph), the
-    blocks in forward order (module fqn -> structure), the segment bases measured in
-    the simulated floor step (Note [The peak model] in _peak_model.py) and the option
-    chosen per block. Loading it rebuilds the problems and installs the choice as the
+    blocks in forward order (module fqn -> structure), the segment bases of the peak
+    model (Note [The peak model] in _peak_model.py: measured in the simulated floor step,
+    or implied by the simulated planned steps when ``plan()`` verified and corrected the
+    plan, with ``guard``, the bases its steps over the target implied: Note [A plan file
+    climbs as the job would] in simulate.py) and the option chosen per block. Loading it
+    rebuilds the problems and installs the choice as the
     planner's plan in state ``planned``: the first step follows it (no calibration at
     the floor) and is measured like any planned step, so Note [Verify, correct, stay
     put] in _peak.py goes on from there. The file's ``step_start`` (the simulated bytes
@@ -166,6 +169,9 @@ def install(planner: Any, loaded: _Loaded) -> None:
         if not match:  # a saved set off this frontier: the closest one with no more bytes
             match = [max((i for i, o in enumerate(options) if o.dk <= call.dk), default=0)]
         choice.append(match[0])
+    # the bases the simulated steps over the target implied (Note [A plan file climbs as
+    # the job would] in simulate.py): a plan the simulation saw overshoot is not chosen again
+    planner.guard = {str(k): int(v) for k, v in (loaded.meta.get("guard") or {}).items()}
     planner.state = "planned"
     planner._install(tuple(choice) if any(choice) else None)
 

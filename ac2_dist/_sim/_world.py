@@ -149,8 +149,14 @@ class GlooBuffers(TorchDispatchMode):
         it as the real allocator does. gloo lets go of them when its worker thread releases
         the collective, sometimes after the next ops have run, so a real step can hold one
         longer: that stays outside the count (the report's "collective buffers held past
-        their wait"). NCCL copies in place: no such buffers, and nothing is added when the
-        simulated device is a GPU."""
+        their wait"), as does an all-gather issued with ``async_op=True`` holding its
+        buffer until its wait (FSDP2's own all-gathers on CPU return waited). Not counted
+        either: the functional collectives' (``_c10d_functional.*``, what DTensor
+        redistributions such as sequence parallelism issue), which run as gloo's coalesced
+        collectives with buffers of their own; tensor parallelism's default colwise and
+        rowwise styles only all-reduce, which allocates nothing. NCCL copies in place: no
+        such buffers, and nothing is added when the simulated device is a GPU (a named
+        GPU, or rates given as numbers)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
