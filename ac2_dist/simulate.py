@@ -175,9 +175,8 @@ class SimulationReport:
         zero = tuple(0 for _ in options)
         guard: dict[str, int] = {}
         tried: list[tuple[float, tuple[int, ...], _Run]] = []
-        runs: dict[tuple[int, ...], _Run] = {}
         for step in range(1, _TRIES + 1):
-            run = runs[choice] = self._simulate_plan(options, choice)
+            run = self._simulate_plan(options, choice)
             peaks = {s: v - origin for s, v in run.segments.items()}
             measured = max(peaks.values()) + origin
             dks = [o[i].dk for o, i in zip(options, choice)]

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from _dist import run_ranks
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from _dist import run_ranks
 
 import ac2_dist.simulate  # noqa: F401  (what a simulation imports: on torch 2.10 the fake c10d kernels among it)
 from ac2_dist._sim._world import GlooBuffers, fake_world
