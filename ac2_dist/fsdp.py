@@ -65,7 +65,7 @@ except ImportError:  # torch built without distributed
     FSDPModule = None  # type: ignore[assignment,misc]
 
 __all__ = ["is_fsdp_unit", "unsharded_params", "is_unsharded", "is_gathered_or_gathering", "ensure_unsharded",
-           "own_ops_scope"]
+           "own_ops_scope", "collective_buffers"]
 
 # See Note [FSDP's own ops are not structure].
 #: FSDP profiler scopes whose ops compute the module's data.
@@ -88,6 +88,27 @@ def unsharded_params(module: nn.Module) -> list[torch.Tensor]:
     if group is None:
         return []
     return [fp._unsharded_param for fp in group.fsdp_params if hasattr(fp, "_unsharded_param")]
+
+
+def collective_buffers(module: nn.Module) -> tuple[Any, int] | None:
+    """The unit's shard process group and the bytes of the larger of its two collective
+    buffers, the all-gather output (its parameters' padded shards times the group size,
+    in the all-gather dtype) and the reduce-scatter input (the same count in the reduce
+    dtype), as FSDP2's ``foreach_all_gather`` / ``foreach_reduce`` allocate them. None
+    if ``module`` is not an FSDP unit."""
+    group = _group(module) if is_fsdp_unit(module) else None
+    if group is None:
+        return None
+    info = group.mesh_info
+    world = info.shard_mesh_size
+    numel = widest = 0
+    for fp in group.fsdp_params:
+        numel += fp.padded_sharded_param_size.numel()
+        orig = getattr(fp, "orig_dtype", None) or fp.sharded_param.dtype
+        param = getattr(fp, "param_dtype", None) or orig  # set at FSDP's lazy init (the first forward)
+        dtypes = (param, getattr(fp, "reduce_dtype", None) or param)
+        widest = max([widest] + [d.itemsize for d in dtypes if d is not None])
+    return info.shard_process_group, numel * world * widest
 
 
 def is_unsharded(module: nn.Module) -> bool:

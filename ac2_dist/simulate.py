@@ -78,6 +78,14 @@ class SimulationReport:
         #: the op's shapes (``aten._grouped_mm`` in float32: its meta function takes bfloat16 only).
         self.substituted: set[str] = set()
 
+    @property
+    def late_bytes(self) -> int:
+        """Bytes of collective buffers a gloo job's worker threads may hold past their wait
+        at any moment of the step (``device="cpu"``; 0 for a GPU): :meth:`plan` keeps them
+        clear of the target, as the job's ``MemoryBudget(peak=...)`` does, so the lowest
+        target a plan exists for is the floor plus this."""
+        return self._floor.late if self._floor is not None else 0
+
     def mode(self, name: str) -> ModeReport:
         """The report of the mode named ``name`` (``"no AC"``, ``"full AC"``, ...)."""
         for m in self.modes:
@@ -94,6 +102,11 @@ class SimulationReport:
         head = (f"ac2_dist.simulate: rank {self.rank} of {self.world_size}{mesh}, recompute priced for "
                 f"{self.device}")
         table = format_table(self.modes, head)
+        late = self.late_bytes
+        if late and any(m.name.startswith("target") for m in self.modes):
+            table += (f"\n\na gloo job: its peak target is planned for the target less {human_bytes(late)}, the "
+                      "collective buffers gloo's worker threads may hold past their wait (2 threads x the largest "
+                      "FSDP unit's all-gather / reduce-scatter buffer)")
         if self.substituted:
             table += ("\n\nsimulated from the op's shapes (torch's fake kernel takes bfloat16 only; the real "
                       "kernel takes this dtype): " + ", ".join(sorted(self.substituted)))
@@ -121,16 +134,22 @@ class SimulationReport:
         origin = floor.start
         bases = {s: v - origin for s, v in floor.segments.items()}
         floor_peak = origin + max(bases.values())
-        choice = _solve(options, bases, nbytes - origin)
-        if choice is None or floor_peak > nbytes:
+        # a gloo job keeps its late collective buffers clear of the target, as its planner
+        # does (Note [Collective buffers gloo frees late] in _plan/_late_buffers.py)
+        late = floor.late
+        planned = nbytes - late
+        choice = _solve(options, bases, planned - origin)
+        if choice is None or floor_peak > planned:
+            less = (f" less the {late} bytes of collective buffers gloo may hold past their wait" if late else "")
             raise ValueError(
-                f"ac2_dist.simulate: target={target!r} ({nbytes} bytes) is below the simulated floor of rank "
+                f"ac2_dist.simulate: target={target!r} ({nbytes} bytes){less} is below the simulated floor of rank "
                 f"{self.rank} ({human_bytes(floor_peak)}, {floor_peak} bytes: full AC in every block). Raise the "
-                f"target, shard over more ranks, or lower the batch size or sequence length")
+                f"target to at least {floor_peak + late} bytes, shard over more ranks, or lower the batch size or "
+                f"sequence length")
         name = f"target {target}" if isinstance(target, str) else f"target {human_bytes(nbytes)}"
         run, guard = None, {}
         if check:
-            choice, bases, guard, run = self._climb(options, tuple(choice), bases, nbytes)
+            choice, bases, guard, run = self._climb(options, tuple(choice), bases, planned)
         dks = [o[i].dk for o, i in zip(options, choice)]
         predicted = origin + max(base + sum(dks[:int(s.split(":")[1]) + 1]) for s, base in bases.items())
         chosen = [o[i] for o, i in zip(options, choice)]
@@ -143,7 +162,7 @@ class SimulationReport:
             _boundary(report, run, floor, self._spec.rates, self._link)
         meta = {"target": nbytes, "predicted_peak": predicted, "step_start": origin,
                 "world_size": self.world_size, "rank": self.rank,
-                "device": self.device, "torch": torch.__version__, "guard": guard}
+                "device": self.device, "torch": torch.__version__, "guard": guard, "late": late}
         self._plan = _plan_file.dump(fqns, floor.structure, floor.problems, tuple(choice), bases, meta)
         self.modes = [m for m in self.modes if m.name != name] + [report]
         return report

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 VOCAB, HIDDEN, INTER, LAYERS, HEADS = 512, 128, 384, 3, 4
-BATCH, SEQ = 2, 64
+BATCH, SEQ = 2, 128  # activations enough above gloo's late buffers for a target between (test_simulate.py)
 SAVE = [torch.ops.aten.mm.default]  # the save-list mode
 
 

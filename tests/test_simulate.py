@@ -13,7 +13,10 @@ Note [A measured CPU step varies with gloo's threads]
     collective's buffers, gloo's own among them (Note [gloo's buffers of its own] in
     ac2_dist/_sim/_world.py), until its wait returns, so it is compared with the lowest
     of five measured steps; the spread is printed with the figures and named among what
-    the simulation does not count.
+    the simulation does not count. A peak target is planned clear of it (gloo's two
+    worker threads times the largest unit's buffer: Note [Collective buffers gloo frees
+    late] in ac2_dist/_plan/_late_buffers.py), so every step of a plan's job is compared
+    with the target.
 """
 
 from __future__ import annotations
@@ -46,7 +49,10 @@ def measured(tmp_path_factory):
     2-rank runs of every mode and of the plan (one spawn)."""
     report = case.simulated(MODES)
     none, full = report.mode("no AC").peak_bytes, report.mode("full AC").peak_bytes
-    target = full + (none - full) // 2
+    # half-way between the lowest target a plan exists for on gloo and no AC (Note
+    # [Collective buffers gloo frees late] in ac2_dist/_plan/_late_buffers.py)
+    assert 0 < report.late_bytes < none - full
+    target = full + report.late_bytes + (none - full - report.late_bytes) // 2
     planned = report.plan(target)
     path = str(tmp_path_factory.mktemp("plan") / "plan.json")
     report.save_plan(path)
@@ -79,10 +85,10 @@ def test_plan_file_runs_in_the_first_step_within_the_target(measured):
     got = real[0]["plan"]
     assert got["calibrations"] == 0  # step 1 followed the file: no calibration at the floor
     assert planned.predicted_bytes <= target
-    # the plan uses the target (Note [A plan file climbs as the job would] in simulate.py):
-    # a buffer gloo's thread frees late can put any step over it, more often under load
-    # (Note [A measured CPU step varies with gloo's threads]); the lowest step is compared
-    assert min(got["peaks"]) <= target, (got, target)
+    # every step: the plan keeps clear of the target the buffers gloo's threads may free late
+    # (Note [Collective buffers gloo frees late] in ac2_dist/_plan/_late_buffers.py), in the
+    # simulation and in the job's planner alike
+    assert max(got["peaks"]) <= target, (got, target)
     # the plan saves something (a later step may be corrected down to the floor when a gloo
     # buffer freed late puts a step over the target: what the steady step saves is not asserted)
     assert planned.predicted_bytes > report.mode("full AC").peak_bytes
@@ -155,7 +161,8 @@ def test_bad_inputs_are_refused_before_any_step():
 
 
 def test_target_below_the_floor_names_both():
-    with pytest.raises(ValueError, match=r"target='1MiB' \(1048576 bytes\) is below the simulated floor"):
+    with pytest.raises(ValueError, match=r"target='1MiB' \(1048576 bytes\) less the \d+ bytes of collective "
+                                         r"buffers gloo may hold past their wait is below the simulated floor"):
         case.simulated(["full"], target="1MiB")
     assert not torch.distributed.is_initialized()
 
@@ -172,10 +179,11 @@ def test_cli_prints_the_table_and_writes_a_loadable_plan(tmp_path):
                                "num_attention_heads": case.HEADS, "num_key_value_heads": case.HEADS}))
     plan = tmp_path / "plan.json"
     done = _cli("--hf-config", str(cfg), "--world-size", "2", "--batch", str(case.BATCH), "--seq", str(case.SEQ),
-                "--device", "cpu", "--target", "11MiB", "--plan-out", str(plan))
+                "--device", "cpu", "--target", "15MiB", "--plan-out", str(plan))
     assert done.returncode == 0, done.stderr
-    assert "peak on the rank" in done.stdout and "NCCL" in done.stdout and "target 11MiB" in done.stdout
-    budget = ac.MemoryBudget(peak="11MiB", plan=str(plan))
+    assert "peak on the rank" in done.stdout and "NCCL" in done.stdout and "target 15MiB" in done.stdout
+    assert "planned for the target less" in done.stdout, done.stdout
+    budget = ac.MemoryBudget(peak="15MiB", plan=str(plan))
     assert [c.fqn for c in budget._loaded.calls] == [f"model.layers.{k}" for k in range(case.LAYERS)]
     bad = _cli("--hf-config", str(tmp_path / "missing.json"), "--world-size", "2")
     assert bad.returncode == 2 and "missing.json" in bad.stderr and "cannot build a config" in bad.stderr
@@ -272,9 +280,9 @@ def test_block_input_offload_saves_what_a_run_on_the_simulated_cuda_saves():
 @pytest.fixture(scope="module", params=[("gpt2", 2), ("llama", 4)], ids=["gpt2-2ranks", "llama-4ranks"])
 def bench_rows(request):
     """launch/bench_simulate.py's rows for a tiny GPT-2 on 2 ranks and the tiny Llama on 4:
-    no AC, full AC, a save list and a peak target a tenth of the way from full AC to
-    no AC (one that recomputes something in both: a quarter of the way, the plan the
-    simulation climbs to replays no matmul in GPT-2)."""
+    no AC, full AC, a save list and a peak target a tenth of the way from the lowest a
+    gloo job can plan for (full AC and gloo's late buffers) to no AC (one that recomputes
+    something in both)."""
     import bench_simulate as bench
 
     model, world = request.param
@@ -290,9 +298,13 @@ def test_gpt2_and_4_ranks_and_a_peak_target_within_5_and_1_percent(bench_rows):
     target = bench_rows[-1]
     assert target["flops_counted"] > 0 and target["measured"] <= target["target"] * 1.02, target
     # the plan the file holds is where the job's planner would settle (Note [A plan file
-    # climbs as the job would] in simulate.py): its simulated step uses the target, and the
-    # peak model, priced from the simulated steps, is within 5 % of it
-    assert 0.97 * target["target"] <= target["predicted"] <= target["target"], target
+    # climbs as the job would] in simulate.py): its simulated step uses the target less
+    # gloo's late buffers (Note [Collective buffers gloo frees late] in
+    # ac2_dist/_plan/_late_buffers.py), and the peak model, priced from the simulated
+    # steps, is within 5 % of it; no step of the plan's job on any rank is over the target
+    planned = target["target"] - target["late"]
+    assert 0.97 * planned <= target["predicted"] <= planned, target
+    assert target["highest_any_rank"] <= target["target"], target
     assert target["predicted"] <= target["peak_model"] <= 1.05 * target["predicted"], target
     assert bench_rows[1]["flops_counted"] > target["flops_counted"] > bench_rows[0]["flops_counted"] == 0
 
@@ -300,7 +312,8 @@ def test_gpt2_and_4_ranks_and_a_peak_target_within_5_and_1_percent(bench_rows):
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_plans_use_the_target_and_the_peak_model_is_within_5_percent(world):
     """HF Mixtral, its default experts path: the plan's simulated step uses at least 97 %
-    of each target (a quarter, half and three quarters of the way from full AC to no AC),
+    (95 % once it replays no matmul) of each target less gloo's late buffers (a quarter, half and three quarters of the way
+    from the lowest target a gloo job can plan for to no AC),
     and the planner's prediction for it is within 5 % (before the file's plan climbed as the
     job's does: 2.6 % to 8.0 % high, the plan using 0.92-0.97 of the target)."""
     import bench_simulate as bench
@@ -309,10 +322,16 @@ def test_moe_plans_use_the_target_and_the_peak_model_is_within_5_percent(world):
     report = simulate(c.build, batch=c.batch, blocks=[c.block_type()], world_size=world, rank=0,
                       modes=["none", "full"], device="cpu")
     none, full = report.mode("no AC").peak_bytes, report.mode("full AC").peak_bytes
+    low = full + report.late_bytes
     for f in (0.25, 0.5, 0.75):
-        target = full + int(f * (none - full))
+        target = low + int(f * (none - low))
         planned = report.plan(target)
-        assert 0.97 * target <= planned.peak_bytes <= target, (f, target, planned.peak_bytes)
+        room = target - report.late_bytes
+        # where the plan already replays no matmul, what is left to save is memory-bound ops
+        # whose frontier steps can be coarser than 3 % of the room here (the MoE's expert
+        # outputs): at 0.75 of the way on 2 ranks the plan of 0.5 stays, 0.965 of the room
+        assert planned.peak_bytes <= room, (f, target, planned.peak_bytes)
+        assert planned.peak_bytes >= (0.97 if planned.recompute_flops else 0.95) * room, (f, target, planned)
         assert planned.peak_bytes <= planned.predicted_bytes <= 1.05 * planned.peak_bytes, (f, planned)
 
 

@@ -33,7 +33,10 @@ def both(tmp_path_factory):
     0's), written to a file; the 4 real ranks running no AC, full AC and the plan file."""
     sim = {r: dict(zip(["none", "full"], _sim(r).modes)) for r in range(WORLD)}
     report = _sim(0)
-    target = (sim[0]["none"].peak_bytes + sim[0]["full"].peak_bytes) // 2
+    none, full = sim[0]["none"].peak_bytes, sim[0]["full"].peak_bytes
+    # half-way between the lowest target a plan exists for on gloo and no AC (Note
+    # [Collective buffers gloo frees late] in ac2_dist/_plan/_late_buffers.py)
+    target = full + report.late_bytes + (none - full - report.late_bytes) // 2
     report.plan(target)
     path = str(tmp_path_factory.mktemp("plan") / "plan.json")
     report.save_plan(path)
@@ -115,13 +118,11 @@ def test_plan_file_with_tensor_parallel_blocks_runs_within_the_target(both):
     made and unwrapped outside dispatch] in ac2_dist/_trace/_subclass_wraps.py) and the
     collectives as the job issues them (Note [The simulated collectives complete as eager
     ones do] in ac2_dist/_sim/_world.py); the job loads it on every rank, its first step
-    follows it, and the job's steps are within the target but for what gloo holds late: the
-    plan uses the target (Note [A plan file climbs as the job would] in simulate.py), so a
-    buffer gloo's thread frees late can put any step over it, more often under load (Note [A
-    measured CPU step varies with gloo's threads] in test_simulate.py), and the lowest of the
-    job's steps is the one compared."""
+    follows it, and every step of the job is within the target: the plan keeps clear of it the
+    buffers gloo's threads may free late (Note [Collective buffers gloo frees late] in
+    ac2_dist/_plan/_late_buffers.py)."""
     _, real, target = both
     for rank, r in enumerate(real):
         got = r["plan"]
         assert got["history"][0][1] != "floor", (rank, got)  # step 1 followed the file
-        assert min(got["peaks"]) <= target, (rank, got, target)
+        assert max(got["peaks"]) <= target, (rank, got, target)

@@ -44,7 +44,9 @@ Note [Verify, correct, stay put]
     being verified) changes nothing; the planner stays at its current plan and says why in
     :meth:`describe`; after ``_UNMEASURED`` step starts in a row without a usable step it
     stops measuring. Bases only rise above what a step over the target implied
-    (``guard``): a plan known to overshoot is not chosen again.
+    (``guard``): a plan known to overshoot is not chosen again. On a gloo job "the
+    target" in all of this is the target less what gloo may hold late (Note
+    [Collective buffers gloo frees late] in _late_buffers.py).
 
 Note [A profiler session of the user's]
     On CPU a step is measured from a profiler session's memory events (torch exposes no
@@ -86,6 +88,7 @@ from .._measure._alloc_history import AllocatorHistory
 from .._pipelining import pipeline_microbatch as _pipeline_microbatch
 from .._sizes import human_bytes as _human
 from ._block_problem import BlockBudget, Plan, _Option, _Problem
+from ._late_buffers import late_collective_bytes
 from ._peak_model import _solve, _solve_from
 from ._peak_offload import offload_block_inputs, remember_schedule
 from ._peak_report import describe
@@ -149,6 +152,9 @@ class PeakPlanner:
         self._models: list[weakref.ref[torch.nn.Module]] = []  # watched models (:meth:`watch`)
         self.offload: weakref.ref | None = None  # the blocks' Offload (Note [Below the floor, the block inputs go first])
         self._error: str | None = None
+        # bytes gloo may hold late, kept clear of the target (Note [Collective buffers gloo frees late]);
+        # None until the first step is used
+        self.late: int | None = None
 
     # ---- steps ------------------------------------------------------------------------
     def before_region(self, fqn: str) -> str:
@@ -435,13 +441,17 @@ class PeakPlanner:
         # Note [One plan on every rank] (_peak_step.py): one round per step start on every rank.
         n = len(calls)
         unsettled = self.state != "settled"  # a settled rank measures nothing and vetoes nothing
-        head = [int(unsettled), int(unsettled and problem is not None), n, -n, self.target, -self.target, now_abs]
+        if self.late is None:
+            self.late = self._late_bytes(device)
+        head = [int(unsettled), int(unsettled and problem is not None), n, -n, self.target, -self.target, now_abs,
+                self.late]
         synced = _all_max(head + [peaks.get(s, -1) if peaks else -1 for s in segments])
         self.all_settled = synced[0] == 0
         if synced[1] and problem is None:
             problem = "another rank could not measure it"
         if synced[2] == -synced[3] == n and synced[4] == -synced[5]:  # same structure and target everywhere
             now_abs = synced[6]
+            self.late = synced[7]  # the largest any rank found: every rank plans for the same target
             if peaks:
                 peaks = {s: synced[len(head) + i] for i, s in enumerate(segments)}
         self.base_abs = now_abs
@@ -464,12 +474,13 @@ class PeakPlanner:
         self.unmeasured = 0
         measured = max(peaks.values()) + step.base_abs
         self.measured = measured
-        target = self.target
+        target = self.planned_target
         dks = [c.dk for c in calls]
         implied = {s: peaks[s] - sum(dks[:int(s.split(":")[1]) + 1]) for s in segments}
         choice = step.choice
         self._remember(_Record(step.index, self._describe_choice(choice), self.predicted, measured,
-                               "over the target" if measured > target else ""))
+                               "over the target" if measured > self.target else
+                               "over the target less gloo's late buffers" if measured > target else ""))
         if measured > target:
             for s in segments:
                 self.guard[s] = max(self.guard.get(s, implied[s]), implied[s])
@@ -512,6 +523,18 @@ class PeakPlanner:
         if self.choice == before:
             self._settle("a corrected plan equals the measured one")
 
+    @property
+    def planned_target(self) -> int:
+        """The target plans are made and measured against: the target less the collective
+        buffers gloo may hold late (Note [Collective buffers gloo frees late])."""
+        return self.target - (self.late or 0)
+
+    def _late_bytes(self, device: torch.device | None) -> int:
+        if device is not None and device.type != "cpu":
+            return 0
+        return late_collective_bytes(m for ref in self._models if (model := ref()) is not None
+                                     for m in model.modules())
+
     def _followed(self, step: _Step) -> str | None:
         """Why ``step`` is not a measurement of the plan it began under (None if it is)."""
         calls = step.calls
@@ -538,9 +561,13 @@ class PeakPlanner:
     def _infeasible(self, floor: int) -> None:
         self.state = "settled"
         self.reason = "the target is below the measured floor"
+        late = self.late or 0
+        above = (f"above the target of {self.target} bytes" if not late else
+                 f"above the target of {self.target} bytes less the {late} bytes of collective buffers gloo may "
+                 f"hold past their wait")
         msg = (f"ac2_dist.MemoryBudget(peak={_human(self.target)}): the measured peak of a step at the floor "
-               f"(\"recompute_all\" in every block) is {_human(floor)} ({floor} bytes) on this rank, above the target "
-               f"of {self.target} bytes. To fit: raise the target to at least {floor} bytes, shard more (FSDP), "
+               f"(\"recompute_all\" in every block) is {_human(floor)} ({floor} bytes) on this rank, {above}. "
+               f"To fit: raise the target to at least {floor + late} bytes, shard more (FSDP), "
                f"lower the batch size or sequence length, or offload saved values to CPU (ac2_dist.Offload)")
         if self.budget._strict:
             self._error = msg + ". (strict=True: stopping here.)"
@@ -574,7 +601,7 @@ class PeakPlanner:
         # unless it replays nothing the measured plan did not (Note [A climb that replays nothing new])
         margin = 0 if self.planned_steps == 0 else max(
             (p.records[s].nbytes for p in (self.problems[c.signature] for c in calls) for s in p.candidates), default=0)
-        cap = self.target - self.base_abs
+        cap = self.planned_target - self.base_abs
         if measured is None:
             choice = _solve(options, self.bases or {}, cap - margin)
         else:

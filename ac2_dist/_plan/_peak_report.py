@@ -24,6 +24,9 @@ def describe(planner: Any) -> str:
             f"measured {_opt_human(planner.measured)}; plan {planner._describe_choice()}, estimated recompute "
             f"{seconds * 1e3:.3f} ms ({flops / 1e6:.1f} MFLOP) per step",
         ]
+        if planner.late:  # Note [Collective buffers gloo frees late] in _late_buffers.py
+            lines.insert(1, f"  planned for {_human(planner.planned_target)}: gloo may hold {_human(planner.late)} "
+                            f"of collective buffers past their wait (its worker threads free them late)")
         if planner.history:
             lines.append(f"  {'step':>5}  {'plan':<36} {'predicted':>12} {'measured':>12}  note")
             for r in planner.history:

@@ -29,8 +29,8 @@ NOT_COUNTED: tuple[tuple[str, str], ...] = (
     ("NCCL communicator buffers and streams", "0.5-2 GiB per process group"),
     ("the CUDA context and kernels (cuBLAS/cuDNN workspaces included)", "0.5-1 GiB per process"),
     ("kernels' internal scratch (attention, reductions)", "a few MiB to a few hundred MiB"),
-    ("collective buffers held past their wait (gloo's worker threads, NCCL streams)",
-     "up to one or two blocks' unsharded parameters"),
+    ("collective buffers held past their wait (gloo's worker threads)",
+     "up to two FSDP units' unsharded parameters on a gloo job (a peak target is planned clear of them)"),
 )
 
 # Categories of torch's trackers -> the rows the report shows.

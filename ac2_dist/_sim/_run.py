@@ -28,6 +28,7 @@ from torch._subclasses import FakeTensorMode
 from .._modules import _select, apply_ac
 from .._plan._block_problem import Plan, _CostModel, _Problem
 from .._plan._budget_region import _BudgetRegion
+from .._plan._late_buffers import GLOO_THREADS, late_collective_bytes
 from ..budget import MemoryBudget
 from ._kernels import NarrowFakes
 from ._meter import make_meter
@@ -81,6 +82,9 @@ class _Run:
     # expandable_segments (Note [Reserved bytes: the allocations through the caching
     # allocator's model] in _sim/_meter.py)
     reserved: tuple[int, int] = (0, 0)
+    # the collective buffers gloo may hold past their wait on a CPU job, which a peak target
+    # keeps clear (Note [Collective buffers gloo frees late] in _plan/_late_buffers.py)
+    late: int = 0
 
 
 class _Recorder(MemoryBudget):
@@ -195,6 +199,8 @@ def run_mode(spec: _Spec, policy: Any, factory: Any = None, count_replays: bool 
                inputs=dict(marks.inputs), off_peak=marks.off_peak, off_when=marks.off_when,
                substituted=set(narrow.used) if isinstance(narrow, NarrowFakes) else set())
     run.reserved = (marks.allocators[0].peak_reserved, marks.allocators[1].peak_reserved)
+    if spec.gloo:  # after the steps: FSDP knows its dtypes once it has run
+        run.late = late_collective_bytes(model.modules(), threads=GLOO_THREADS)
     if replays is not None:
         run.replayed = (replays.flops, replays.seconds)
     if recorder is not None:
