@@ -53,7 +53,9 @@ that moves FSDP2 internals touches this file only.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -65,7 +67,7 @@ except ImportError:  # torch built without distributed
     FSDPModule = None  # type: ignore[assignment,misc]
 
 __all__ = ["is_fsdp_unit", "unsharded_params", "is_unsharded", "is_gathered_or_gathering", "ensure_unsharded",
-           "own_ops_scope", "collective_buffers"]
+           "own_ops_scope", "collective_buffers", "pipelined_backward", "finish_pipelined_backward"]
 
 # See Note [FSDP's own ops are not structure].
 #: FSDP profiler scopes whose ops compute the module's data.
@@ -109,6 +111,40 @@ def collective_buffers(module: nn.Module) -> tuple[Any, int] | None:
         dtypes = (param, getattr(fp, "reduce_dtype", None) or param)
         widest = max([widest] + [d.itemsize for d in dtypes if d is not None])
     return info.shard_process_group, numel * world * widest
+
+
+@contextlib.contextmanager
+def pipelined_backward(module: nn.Module) -> Iterator[None]:
+    """One microbatch's backward under a pipeline schedule, as torch.distributed.pipelining's
+    ``PipelineStage`` runs it around an FSDP2 root ``module``: no gradient sync, no reshard
+    after backward, not the last backward (Note [A pipeline stage's step] in
+    _sim/_pipeline.py). Nothing for another module."""
+    if FSDPModule is not None and isinstance(module, FSDPModule):
+        module.set_is_last_backward(False)
+        module.set_reshard_after_backward(False)
+        module.set_requires_gradient_sync(False)
+    yield
+
+
+def finish_pipelined_backward(module: nn.Module) -> None:
+    """After a pipeline step's last microbatch: what ``PipelineStage`` does for an FSDP2
+    root ``module`` -- the flags back, every unit's post-backward (its reduce-scatter and
+    reshard), the root's final callback."""
+    if FSDPModule is None or not isinstance(module, FSDPModule):
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    for unit_state in state._state_ctx.all_states:
+        groups = getattr(unit_state, "_fsdp_param_groups", None)  # torch >= 2.12; one group before
+        if groups is None:
+            groups = [g] if (g := getattr(unit_state, "_fsdp_param_group", None)) is not None else []
+        for group in groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
 
 
 def is_unsharded(module: nn.Module) -> bool:

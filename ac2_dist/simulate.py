@@ -30,13 +30,14 @@ from ._plan import _plan_file
 from ._plan._peak import _TRIES, _USE
 from ._plan._peak_model import _solve, _solve_from
 from ._sim import _report
+from ._sim._pipeline import Pipeline, StageStep
 from ._sim._policies import normalize
 from ._sim._report import ModeReport, format_table
 from ._sim._run import _Recorder, _Run, _Spec, run_mode
 from ._sim._world import ddp_refused, fake_world, per_block_shard, tp_styles
 from ._sizes import human_bytes, parse_size
 
-__all__ = ["DEVICES", "HOST_LINKS", "NOT_COUNTED", "ModeReport", "SimulationReport", "simulate"]
+__all__ = ["DEVICES", "HOST_LINKS", "NOT_COUNTED", "ModeReport", "Pipeline", "SimulationReport", "simulate"]
 
 #: The named devices whose rates price recompute (``device=`` here, ``--device`` on the
 #: command line), each name with its 16-bit and 32-bit dense matmul FLOP/s and its memory
@@ -68,6 +69,8 @@ class SimulationReport:
         self.rank = rank
         #: How many ranks the tensor-parallel dimension has; 1 without tensor parallelism.
         self.tp_size = 1
+        #: The pipeline stage simulated (``simulate(..., pipeline=...)``), or None.
+        self.pipeline: Pipeline | None = None
         self.device = device
         self.modes = modes
         self._spec = spec
@@ -99,7 +102,10 @@ class SimulationReport:
         recompute FLOPs and their estimated time, and what is not counted."""
         tp = self.tp_size
         mesh = f" (dp {self.world_size // tp} x tp {tp})" if tp > 1 else ""
-        head = (f"ac2_dist.simulate: rank {self.rank} of {self.world_size}{mesh}, recompute priced for "
+        pp = self.pipeline
+        stage = (f", pipeline stage {pp.stage} of {pp.stages} ({pp.schedule}, {pp.microbatches} microbatches a "
+                 f"step)" if pp is not None else "")
+        head = (f"ac2_dist.simulate: rank {self.rank} of {self.world_size}{mesh}{stage}, recompute priced for "
                 f"{self.device}")
         table = format_table(self.modes, head)
         late = self.late_bytes
@@ -361,6 +367,7 @@ def simulate(
     tp_size: int | None = None,
     tp_plan: Mapping[str, Any] | None = None,
     groups: Sequence[Sequence[str]] = (),
+    pipeline: Pipeline | None = None,
 ) -> SimulationReport:
     """Simulate one training step of rank ``rank`` of a ``world_size``-rank job.
 
@@ -421,6 +428,18 @@ def simulate(
         host_link: host <-> device bytes/s, one direction, that block-input offload
             is priced at (default: the named device's in ``HOST_LINKS``; 50 GB/s for
             ``(FLOP/s, bytes/s)``).
+        pipeline: a :class:`~ac2_dist.simulate.Pipeline` (``stages``, ``stage``,
+            ``microbatches``, ``schedule`` ``"1F1B"`` or ``"GPipe"``): simulate that
+            pipeline stage's step, its forwards and backwards in the schedule's order
+            with the microbatches it keeps in flight, as ``PipelineStage`` runs them
+            around an FSDP2 root (gradients accumulated unsharded over the microbatches,
+            reduced after the last). ``build`` builds the stage's module, ``batch`` one
+            microbatch's inputs (on a stage after the first, the received activation: a
+            tensor that requires grad), ``loss`` returns the loss on the last stage and
+            the stage's output on the others. ``world_size`` is then the ranks FSDP
+            shards the stage over (the data-parallel group); no ``target`` (a peak
+            target's planner stays at the floor under a pipeline schedule), and no
+            block-input offload figures.
 
     Every checkpointed mode also reports the same step with its block inputs offloaded
     (``Offload(block_inputs=True)``: every block's input but the last's in host memory
@@ -499,33 +518,44 @@ def simulate(
         per_block_shard(blocks, world_size, shard_size, param_dtype, reduce_dtype, reshard_after_forward, tp_size,
                         tp_plan)
         if fsdp == "per-block" else None)
+    if pipeline is not None:
+        if not isinstance(pipeline, Pipeline):
+            raise ValueError(f"ac2_dist.simulate: pipeline must be an ac2_dist.simulate.Pipeline, got {pipeline!r}")
+        if nbytes is not None:
+            raise ValueError("ac2_dist.simulate: a peak target is not planned for a pipeline stage (the job's "
+                             "MemoryBudget(peak=...) stays at the floor under a pipeline schedule); simulate its "
+                             "modes instead")
     spec = _Spec(build, blocks, shard, batch, loss or _default_loss, optimizer, rates,
-                 tuple(tuple(g) for g in groups), gloo=str(device).lower() == "cpu")
+                 tuple(tuple(g) for g in groups), gloo=str(device).lower() == "cpu",
+                 step=StageStep(pipeline, loss or _default_loss) if pipeline is not None else None)
     reports: list[ModeReport] = []
     floor: _Run | None = None
-    need_floor = nbytes is not None or any(m.kind != "none" for m in wanted)
+    # the floor step records the blocks' problems for a target's plan: one microbatch a step
+    need_floor = pipeline is None and (nbytes is not None or any(m.kind != "none" for m in wanted))
     runs: list[_Run] = []
     with fake_world(world_size, rank):
         if need_floor:
             floor = run_mode(spec, _Recorder(rates), count_replays=True)
             runs.append(floor)
         for m in wanted:
-            if m.kind == "full":
+            if m.kind == "full" and floor is not None:
                 run = floor
             else:
-                run = run_mode(spec, m.policy, m.factory, count_replays=m.kind != "none")
+                policy = "recompute_all" if m.kind == "full" else m.policy
+                run = run_mode(spec, policy, m.factory, count_replays=m.kind != "none")
                 runs.append(run)
-            assert run is not None
             r = _report(m.name, run)
-            if m.kind != "none" and floor is not None:
+            if m.kind != "none":
                 assert run.replayed is not None
                 r.recompute_flops, r.recompute_seconds = run.replayed
-                _boundary(r, run, floor, rates, link)
+                if floor is not None:
+                    _boundary(r, run, floor, rates, link)
             reports.append(r)
     report = SimulationReport(spec, world_size, rank, device if isinstance(device, str) else "custom", reports,
                               floor, link)
     report.substituted = set().union(*(r.substituted for r in runs)) if runs else set()
     report.tp_size = tp_size or 1
+    report.pipeline = pipeline
     if nbytes is not None:
         report.plan(target)  # type: ignore[arg-type]
     return report

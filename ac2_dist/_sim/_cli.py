@@ -57,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-plan", default=None,
                    help="the blocks' tensor-parallel plan: comma-separated path=colwise|rowwise, paths inside a "
                         "block (self_attn.q_proj=colwise,...,mlp.down_proj=rowwise)")
+    p.add_argument("--pp", type=int, default=None,
+                   help="pipeline parallelism: this many stages (--hf-config, Llama-style models); --world-size counts "
+                        "every rank, --batch is a microbatch")
+    p.add_argument("--pp-stage", type=int, default=0, help="the pipeline stage simulated (0 .. --pp - 1)")
+    p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: --pp)")
+    p.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe"], help="the pipeline schedule")
     p.add_argument("--head", action="store_true",
                    help="also checkpoint the final norm and the LM head as one region (hf.enable(head=True))")
     p.add_argument("--blocks", default=None, help="comma-separated class names of the blocks to checkpoint "
@@ -198,8 +204,10 @@ def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
         raise _Refused("--param-dtype, --reduce-dtype and --reshard-after-forward apply to --fsdp per-block")
     if args.tp_plan and not args.tp:
         raise _Refused("--tp-plan needs --tp")
-    if args.tp is not None and (args.tp < 1 or args.world_size % args.tp):
-        raise _Refused(f"--tp {args.tp} must be >= 1 and divide --world-size {args.world_size}")
+    pipeline, world = _pipeline(args)
+    if args.tp is not None and (args.tp < 1 or world % args.tp):
+        per = f" / --pp {args.pp} = {world}" if pipeline is not None else ""
+        raise _Refused(f"--tp {args.tp} must be >= 1 and divide --world-size {args.world_size}{per}")
     tp_plan = _tp_plan(args.tp_plan) if args.tp_plan else None
     batch_fn = None
     if args.hf_config:
@@ -247,6 +255,9 @@ def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
             groups.append(_head_group(probe, probe))
         except ValueError as e:
             raise _Refused(f"--head: {_line(e)}") from e
+    loss = None
+    if pipeline is not None:
+        build, batch_fn, loss = _stage(build, config, pipeline, args, dtype)
     if batch_fn is None:
         if vocab is None:
             raise _Refused("the model has no config.vocab_size: return (model, batch_fn) from --model's factory")
@@ -261,7 +272,7 @@ def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
     if args.save_ops:
         modes.append(_ops(args.save_ops))
     target = parse_size(args.target, "--target") if args.target else None
-    report = simulate(build, batch=batch_fn, blocks=block_types, world_size=args.world_size, rank=args.rank,
+    report = simulate(build, batch=batch_fn, blocks=block_types, world_size=world, rank=args.rank, loss=loss,
                       fsdp=None if args.fsdp == "none" else "per-block", shard_size=args.shard_size,
                       optimizer=None if args.optimizer == "none" else _adamw_default(), modes=modes,
                       target=args.target if target is not None else None, device=args.device, dtype=dtype,
@@ -270,12 +281,71 @@ def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
                       reduce_dtype=_DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
                       reshard_after_forward={"true": True, "false": False}.get(args.reshard_after_forward,
                                                                                 args.reshard_after_forward),
-                      tp_size=args.tp, tp_plan=tp_plan if args.tp and args.tp > 1 else None, groups=groups)
+                      tp_size=args.tp, tp_plan=tp_plan if args.tp and args.tp > 1 else None, groups=groups,
+                      pipeline=pipeline)
     print(report.format())
     if args.plan_out:
         report.save_plan(args.plan_out)
         print(f"\nplan written to {args.plan_out}: MemoryBudget(peak={args.target!r}, plan={args.plan_out!r})")
     return 0
+
+
+def _pipeline(args: argparse.Namespace) -> tuple[Any, int]:
+    """``--pp``'s stage and the ranks one stage is sharded over (``--world-size / --pp``)."""
+    if args.pp is None:
+        if args.microbatches is not None or args.pp_stage:
+            raise _Refused("--pp-stage and --microbatches need --pp")
+        return None, args.world_size
+    from ._pipeline import Pipeline
+
+    if args.pp < 1 or args.world_size % args.pp:
+        raise _Refused(f"--pp {args.pp} must be >= 1 and divide --world-size {args.world_size}")
+    if not args.hf_config:
+        raise _Refused("--pp cuts a Hugging Face model into stages (--hf-config); with --model, call "
+                       "ac2_dist.simulate.simulate(..., pipeline=Pipeline(...)) on your stage's module")
+    if args.head or args.target:
+        raise _Refused(f"--pp: {'--head' if args.head else '--target'} is not simulated for a pipeline stage "
+                       "(the job's peak-target planner stays at the floor under a pipeline schedule)")
+    try:
+        pipeline = Pipeline(args.pp, args.pp_stage, args.microbatches or args.pp, args.schedule)
+    except ValueError as e:
+        raise _Refused(str(e).removeprefix("ac2_dist.simulate: ")) from e
+    world = args.world_size // args.pp
+    if not 0 <= args.rank < world:
+        raise _Refused(f"--rank {args.rank}: with --pp {args.pp} it is the rank within the stage's "
+                       f"{world} ranks, in [0, {world})")
+    return pipeline, world
+
+
+def _stage(build: Callable[[], nn.Module], config: Any, pipeline: Any, args: argparse.Namespace,
+           dtype: torch.dtype) -> tuple[Callable[[], nn.Module], Callable[[], dict], Callable[..., torch.Tensor]]:
+    """The stage's module, one microbatch's inputs (token ids on the first stage, the
+    received hidden state, in the dtype the blocks compute in, on the others) and its loss
+    (the logits' on the last stage, the output on the others)."""
+    from ._pipeline import HFStage
+
+    try:
+        with torch.device("meta"):
+            HFStage(build(), pipeline)
+    except ValueError as e:
+        raise _Refused(str(e).removeprefix("ac2_dist.simulate: ")) from e
+    vocab, hidden = config.vocab_size, config.hidden_size
+    act_dtype = _DTYPES[args.param_dtype] if args.param_dtype else dtype
+    b, s = args.batch, args.seq
+
+    def stage() -> nn.Module:
+        return HFStage(build(), pipeline)
+
+    def batch() -> dict:
+        ids = torch.randint(0, vocab, (b, s))
+        x = ids if pipeline.first else torch.empty(b, s, hidden, dtype=act_dtype, requires_grad=True)
+        return {"x": x, "labels": ids}
+
+    def loss(model: nn.Module, mb: dict) -> torch.Tensor:
+        out = model(mb["x"])
+        return model.loss(out, mb["labels"]) if pipeline.last else out
+
+    return stage, batch, loss
 
 
 def _adamw_default() -> Callable[[Any], torch.optim.Optimizer]:

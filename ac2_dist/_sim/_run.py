@@ -51,6 +51,9 @@ class _Spec:
     rates: tuple[float, float]  # FLOP/s, bytes/s of the device recompute is priced for
     groups: tuple = ()  # apply_ac's ``groups``: modules checkpointed together as one region
     gloo: bool = False  # a CPU job: count gloo's own buffers (Note [gloo's buffers of its own] in _world.py)
+    # a pipeline stage's step (Note [A pipeline stage's step] in _pipeline.py): runs the
+    # schedule's forwards and backwards; None: one forward of ``loss`` and its backward
+    step: Callable[[nn.Module, Any, Callable[[], None]], None] | None = None
 
 
 @dataclass
@@ -183,9 +186,12 @@ def run_mode(spec: _Spec, policy: Any, factory: Any = None, count_replays: bool 
                     meter.begin_step()
                     if recorder is not None:
                         recorder.meter, recorder.order = meter, list(fqns)
-                loss = spec.loss(model, batch)
-                loss.backward()
-                del loss
+                if spec.step is not None:
+                    spec.step(model, batch, meter.reset_mod_stats)
+                else:
+                    loss = spec.loss(model, batch)
+                    loss.backward()
+                    del loss
                 if opt is not None:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
