@@ -236,7 +236,7 @@ class MemoryBudget:
         Call this if training stops during those steps and the process goes on (e.g.
         before starting ``torch.profiler``); at exit it stops by itself. A later step
         measures again if the plan has not settled."""
-        # See Note [Verify, correct, stay put] in _peak.py.
+        # See Note [Verify, correct, stay put] in _plan/_peak_verify.py.
         if self._planner is not None:
             self._planner.close()
 

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from ._plan import _plan_file
-from ._plan._peak import _TRIES, _USE
 from ._plan._peak_model import _solve, _solve_from
+from ._plan._peak_verify import _TRIES, _USE
 from ._sim import _report
 from ._sim._pipeline import Pipeline, StageStep
 from ._sim._policies import normalize
@@ -107,7 +107,7 @@ class SimulationReport:
                  f"step)" if pp is not None else "")
         head = (f"ac2_dist.simulate: rank {self.rank} of {self.world_size}{mesh}{stage}, recompute priced for "
                 f"{self.device}")
-        table = format_table(self.modes, head)
+        table = format_table(self.modes, head, has_head=pp is None or pp.last)
         late = self.late_bytes
         if late and any(m.name.startswith("target") for m in self.modes):
             table += (f"\n\na gloo job: its peak target is planned for the target less {human_bytes(late)}, the "
@@ -246,7 +246,7 @@ class SimulationReport:
 #     The peak model errs high (Note [The peak model] in _plan/_peak_model.py): a plan
 #     solved from the floor step's segment bases measures under its prediction, by 3 % to
 #     16 % on the tiny models of launch/bench_simulate.py, and a job verifies it and
-#     corrects it (Note [Verify, correct, stay put] in _plan/_peak.py). A plan file
+#     corrects it (Note [Verify, correct, stay put] in _plan/_peak_verify.py). A plan file
 #     followed in the job's first step would leave that headroom unused there, and the
 #     model's figure in the report would be the first plan's. So ``plan(check=True)``
 #     runs the job's verification on the simulated rank, step for step as _peak.py does

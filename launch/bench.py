@@ -212,7 +212,7 @@ def bench(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> N
     mine = {"rank": rank, "device": device.type, "modes": {}}
     for mode in modes:
         # Lazy init, first all-gathers; a MemoryBudget calibrates; a peak target measures,
-        # corrects and settles (Note [Verify, correct, stay put] in ac2_dist/_plan/_peak.py).
+        # corrects and settles (Note [Verify, correct, stay put] in ac2_dist/_plan/_peak_verify.py).
         for _ in range(4 if mode.startswith("ac2-peak-") else 1):
             _step(models[mode], x, y)
         mine["modes"][mode] = _measure_mode(models[mode], x, y, args.compile)

@@ -265,7 +265,7 @@ def test_a_foreign_profiler_makes_the_planner_wait_and_say_what_to_do():
     """Note [A profiler session of the user's]: on CPU a user's profiler session cannot
     be read; the planner keeps its plan, warns once with what to do, does not give up
     however long the session runs, and measures once it ended."""
-    from ac2_dist._plan._peak import _UNMEASURED
+    from ac2_dist._plan._peak_verify import _UNMEASURED
 
     base, block, loss_fn, first = _gpt()
     budget = ac.MemoryBudget(peak="64MiB")

@@ -18,7 +18,7 @@ Note [Collective buffers gloo frees late]
     process group the FSDP units shard over, ``threads`` times its largest unit's
     buffer (:func:`late_collective_bytes`). The steps where no buffer is late use that
     much less than the target; none goes over it. The planner measures and corrects
-    against the same reduced target (Note [Verify, correct, stay put] in _peak.py), and
+    against the same reduced target (Note [Verify, correct, stay put] in _peak_verify.py), and
     a simulated gloo job (``ac2_dist.simulate`` on ``device="cpu"``) plans with the same
     bound, so a plan file's job keeps the plan. NCCL makes no such buffers (its
     collectives run in the tensors FSDP allocates, in stream order) and a CUDA step's

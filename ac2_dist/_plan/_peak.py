@@ -25,28 +25,8 @@ Note [What a peak target bounds]
 How a plan's peak is predicted and solved for is Note [The peak model] in
 _peak_model.py; a measured step is a :class:`_Step` (_peak_step.py).
 
-Note [Verify, correct, stay put]
-    After each planned step the measured segment peaks are compared with the target.
-    Within the target and using at least ``_USE`` of it (or saving everything there is to
-    save): converged. Over the target: each segment's base is raised to what the step
-    implies (measured minus the plan's ``dk``) and the plan is solved again. Under by more
-    than ``1 - _USE``: solved again, priced from that step's peaks up (Note [A correction
-    adds to what was measured] in _peak_model.py), each such correction a climb towards the
-    target. A corrected plan is solved for the target less the largest candidate output
-    unless it replays nothing the measured plan did not (Note [A climb that replays nothing
-    new] in _peak_model.py). After ``_TRIES`` planned steps the planner keeps the cheapest
-    plan whose measured peak was within the target (the floor if none was) and stops
-    measuring: it converges within ``_TRIES + 1`` steps (the floor, then plans) and the
-    saved sets do not change afterwards. A step that cannot be measured (on CPU a profiler
-    session ac2 did not start is running, Note [A profiler session of the user's]; a
-    forward ran without its backward, steps overlapped as under pipeline schedules, a
-    block ran twice in one step, the blocks ran another structure or plan than the one
-    being verified) changes nothing; the planner stays at its current plan and says why in
-    :meth:`describe`; after ``_UNMEASURED`` step starts in a row without a usable step it
-    stops measuring. Bases only rise above what a step over the target implied
-    (``guard``): a plan known to overshoot is not chosen again. On a gloo job "the
-    target" in all of this is the target less what gloo may hold late (Note
-    [Collective buffers gloo frees late] in _late_buffers.py).
+How a plan is verified and corrected from the measured steps is Note [Verify, correct,
+stay put] in _peak_verify.py.
 
 Note [A profiler session of the user's]
     On CPU a step is measured from a profiler session's memory events (torch exposes no
@@ -90,18 +70,15 @@ from .._sizes import human_bytes as _human
 from ._block_problem import BlockBudget, Plan, _Option, _Problem
 from ._late_buffers import late_collective_bytes
 from ._peak_model import _solve, _solve_from
-from ._peak_offload import offload_block_inputs, remember_schedule
+from ._peak_offload import remember_schedule
 from ._peak_report import describe
-from ._peak_step import _all_max, _Call, _missing, _Record, _Step, _watch_model
+from ._peak_step import _Call, _Record, _Step, _watch_model
+from ._peak_verify import _FOREIGN_PROFILER, use
 
 __all__ = ["PeakPlanner"]
 
-_USE = 0.97  # a plan using less of the target than this is corrected (Note [Verify, correct, stay put])
-_TRIES = 4  # planned steps measured before the planner stays put
 _HISTORY = 64  # measured steps describe() lists
-_UNMEASURED = 8  # step starts in a row without a usable step after which the planner stays put
 _MAX_CALLS = 4096  # regions per step the planner follows
-_FOREIGN_PROFILER = "a profiler session ac2 did not start is running"
 _OVERLAP = ("forwards and backwards of several steps interleaved (microbatches in flight, as under a "
             "pipeline schedule, or a forward without its backward)")
 
@@ -226,9 +203,9 @@ class PeakPlanner:
             step.mark("start")
 
     def _pipelined(self) -> None:
-        """Note [Verify, correct, stay put]: a pipeline stage's steps interleave; the
-        planner measures nothing and issues no collective (stages reach a step's first
-        region at different times)."""
+        """A pipeline stage's steps interleave (Note [Verify, correct, stay put] in
+        _peak_verify.py): the planner measures nothing and issues no collective (stages
+        reach a step's first region at different times)."""
         self.close()  # a step begun outside the schedule (e.g. the stage's shape inference)
         self.state = "pipelined"
         self.all_settled = True
@@ -417,7 +394,7 @@ class PeakPlanner:
             if step is not None:
                 self._report_only(step)
             return
-        self._use(step)
+        use(self, step)
 
     def _report_only(self, step: _Step) -> None:
         """A settled planner records what a traced step measured (reports), nothing else."""
@@ -425,103 +402,6 @@ class PeakPlanner:
             self.measured = max(step.peaks.values()) + step.base_abs
             self._remember(_Record(step.index, self._describe_choice(), self.predicted, self.measured,
                                    "over the target" if self.measured > self.target else ""))
-
-    def _use(self, step: _Step | None) -> None:
-        device = self.device
-        # what the next step starts from (Note [What a peak target bounds])
-        now_abs = torch.cuda.memory_allocated(device) if device is not None and device.type == "cuda" else self.cpu_origin
-        calls = step.calls if step is not None else []
-        segments = [f"{kind}:{k}" for k in range(len(calls)) for kind in ("fwd", "bwd")]
-        peaks = step.peaks if step is not None else None
-        problem = "no step ended since the last one" if step is None else step.problem
-        if problem is None and peaks is None:
-            problem = "it was not traced"
-        if problem is None:
-            problem = _missing(segments, peaks) or self._followed(step)
-        # Note [One plan on every rank] (_peak_step.py): one round per step start on every rank.
-        n = len(calls)
-        unsettled = self.state != "settled"  # a settled rank measures nothing and vetoes nothing
-        if self.late is None:
-            self.late = self._late_bytes(device)
-        head = [int(unsettled), int(unsettled and problem is not None), n, -n, self.target, -self.target, now_abs,
-                self.late]
-        synced = _all_max(head + [peaks.get(s, -1) if peaks else -1 for s in segments])
-        self.all_settled = synced[0] == 0
-        if synced[1] and problem is None:
-            problem = "another rank could not measure it"
-        if synced[2] == -synced[3] == n and synced[4] == -synced[5]:  # same structure and target everywhere
-            now_abs = synced[6]
-            self.late = synced[7]  # the largest any rank found: every rank plans for the same target
-            if peaks:
-                peaks = {s: synced[len(head) + i] for i, s in enumerate(segments)}
-        self.base_abs = now_abs
-        if self.state == "settled":
-            if step is not None:
-                self._report_only(step)
-            return
-        if problem is not None:
-            if problem != _FOREIGN_PROFILER:  # Note [A profiler session of the user's]: wait for it
-                self.unmeasured += 1
-            if step is not None:
-                self._remember(_Record(step.index, self._describe_choice(), self.predicted, None, problem))
-                if problem != _FOREIGN_PROFILER:  # that one warned when it was found
-                    self._warn_once("unmeasured", f"step {step.index + 1} could not be measured ({problem}); the "
-                                                  f"plan stays as it is ({self._describe_choice()}) until a step "
-                                                  "can be")
-            if self.unmeasured >= _UNMEASURED:
-                self._settle(f"{_UNMEASURED} step starts in a row found no measured step (last: {problem})")
-            return
-        self.unmeasured = 0
-        measured = max(peaks.values()) + step.base_abs
-        self.measured = measured
-        target = self.planned_target
-        dks = [c.dk for c in calls]
-        implied = {s: peaks[s] - sum(dks[:int(s.split(":")[1]) + 1]) for s in segments}
-        choice = step.choice
-        self._remember(_Record(step.index, self._describe_choice(choice), self.predicted, measured,
-                               "over the target" if measured > self.target else
-                               "over the target less gloo's late buffers" if measured > target else ""))
-        if measured > target:
-            for s in segments:
-                self.guard[s] = max(self.guard.get(s, implied[s]), implied[s])
-        if self.state == "floor":
-            self.floor_peak = measured
-            self.structure = list(calls)
-            self.bases = implied
-            if measured > target:
-                if not offload_block_inputs(self, measured):  # Note [Below the floor, the block inputs go first]
-                    self._infeasible(measured)
-                return
-            self.state = "planned"
-            self._plan()
-            if self.choice is None:
-                self._settle("the floor is the only plan within the target")
-            return
-        self.planned_steps += 1
-        cost = self._cost(choice)
-        if measured <= target:
-            self.tried.append((cost, choice, measured))
-        if measured <= target and (measured >= _USE * target or self._is_top(choice)):
-            self._settle("the measured peak is within the target" + (
-                "" if measured >= _USE * target else " (every block saves all it can)"))
-            return
-        if self.planned_steps >= _TRIES:
-            best = min(self.tried, key=lambda t: t[0]) if self.tried else (0.0, None, 0)
-            if best[1] != self.choice:
-                self._install(best[1])
-            self._settle(f"after {_TRIES} planned steps: the cheapest plan measured within the target"
-                         if self.tried else f"after {_TRIES} planned steps no plan was within the target: the floor")
-            return
-        # Over: the bases rise to what the step implies; under: priced from its peaks up (Note [A correction
-        # adds to what was measured] in _peak_model.py); never below what a step over the target implied.
-        lowest = {s: max(implied[s], self.guard.get(s, implied[s])) for s in segments}
-        if measured > target:
-            self.bases = {s: max(lowest[s], self.bases.get(s, lowest[s])) for s in segments}
-        self.structure = list(calls)
-        before = self.choice
-        self._plan(None if measured > target else (choice, {s: peaks[s] - implied[s] + lowest[s] for s in segments}))
-        if self.choice == before:
-            self._settle("a corrected plan equals the measured one")
 
     @property
     def planned_target(self) -> int:
@@ -534,20 +414,6 @@ class PeakPlanner:
             return 0
         return late_collective_bytes(m for ref in self._models if (model := ref()) is not None
                                      for m in model.modules())
-
-    def _followed(self, step: _Step) -> str | None:
-        """Why ``step`` is not a measurement of the plan it began under (None if it is)."""
-        calls = step.calls
-        if any(c.signature is None for c in calls):
-            return "a block's structure is unknown"
-        if step.choice is None and self.state == "floor":
-            return None if all(c.dk == 0 for c in calls) else "a block saved more than the floor"
-        structure = self.structure or []
-        if [(c.fqn, c.signature) for c in calls] != [(c.fqn, c.signature) for c in structure]:
-            return "its blocks' structure changed"
-        if [c.dk for c in calls] != self._dks(step.choice):
-            return "its blocks did not follow the plan"
-        return None
 
     def _remember(self, record: _Record) -> None:
         self.history.append(record)

@@ -14,7 +14,7 @@ Note [A plan file is the planner's state]
     rebuilds the problems and installs the choice as the
     planner's plan in state ``planned``: the first step follows it (no calibration at
     the floor) and is measured like any planned step, so Note [Verify, correct, stay
-    put] in _peak.py goes on from there. The file's ``step_start`` (the simulated bytes
+    put] in _peak_verify.py goes on from there. The file's ``step_start`` (the simulated bytes
     alive when block 0's forward began, the origin of its bases) becomes the planner's
     origin: its first prediction is absolute, and on CPU, where a step's peak is
     measured above the step's start, the planner adds it (``cpu_origin``, Note [What a

@@ -109,17 +109,19 @@ class ModeReport:
     reserved_expandable_bytes: int = 0
 
 
-def _short(when: str) -> str:
+def _short(when: str, head: bool = True) -> str:
     return (when.replace("backward of block ", "bwd block ").replace("forward of block ", "fwd block ")
-            .replace("backward, outside the blocks", "bwd, head/loss").replace("forward, outside the blocks",
-                                                                               "fwd, outside blocks")
+            .replace("backward, outside the blocks", "bwd, head/loss" if head else "bwd, outside blocks")
+            .replace("forward, outside the blocks", "fwd, outside blocks")
             .replace("predicted (peak model)", "(model)"))
 
 
-def format_table(modes: list[ModeReport], head: str) -> str:
-    """The report's table: one column per mode."""
+def format_table(modes: list[ModeReport], head: str, has_head: bool = True) -> str:
+    """The report's table: one column per mode. ``has_head``: the model computes the head
+    and the loss (not a pipeline stage before the last): a peak in backward outside the
+    blocks is said to be theirs."""
     names = [m.name for m in modes]
-    width = max([12] + [len(n) for n in names] + [len(_short(m.when)) for m in modes]) + 2
+    width = max([12] + [len(n) for n in names] + [len(_short(m.when, has_head)) for m in modes]) + 2
     label = 64
     lines = [head, "", f"{'':<{label}}" + "".join(f"{n:>{width}}" for n in names)]
 
@@ -130,7 +132,7 @@ def format_table(modes: list[ModeReport], head: str) -> str:
     if any(m.predicted_bytes is not None for m in modes):
         row("  peak model's prediction (target)", ["-" if m.predicted_bytes is None else human_bytes(m.predicted_bytes)
                                                    for m in modes])
-    row("  when", [_short(m.when) for m in modes])
+    row("  when", [_short(m.when, has_head) for m in modes])
     if any(m.reserved_bytes for m in modes):
         row("peak reserved (caching allocator model)", [human_bytes(m.reserved_bytes) for m in modes])
         row("  with expandable_segments", [human_bytes(m.reserved_expandable_bytes) for m in modes])
@@ -149,7 +151,7 @@ def format_table(modes: list[ModeReport], head: str) -> str:
         row("  moved to host memory (every block's input but the last's)",
             [cell(m, human_bytes(m.boundary_bytes)) for m in modes])
         row("  peak on the rank with them offloaded", [cell(m, human_bytes(m.offload_peak_bytes or 0)) for m in modes])
-        row("  when", [cell(m, _short(m.offload_when)) for m in modes])
+        row("  when", [cell(m, _short(m.offload_when, has_head)) for m in modes])
         row("  one block input's copy, each way, estimated ms",
             [cell(m, f"{m.boundary_copy_seconds * 1e3:.3f}") for m in modes])
         row("  a block's backward (its window), estimated ms",
