@@ -9,21 +9,26 @@ Note [A pipeline stage's step]
     (:func:`actions`): ``GPipe`` every forward, then every backward; ``1F1B`` ``min(M,
     stages - stage)`` forwards, then a backward and a forward in turn, then the remaining
     backwards -- so the first stage holds up to ``stages`` microbatches, the last one.
-    Each forward of a stage after the first reads the received activation from its receive
-    buffer (one per microbatch, made by the first step and kept, as ``PipelineStage`` keeps
-    them; its gradient is the stage's backward output, sent back and dropped); each
-    backward of a stage before the last starts from the received gradient, in a receive
-    buffer of its own (one per microbatch, kept). The step is what ``PipelineStage`` does around an FSDP2
-    root: every microbatch's backward without gradient sync and without resharding after
-    backward (the unsharded gradients accumulate over the microbatches and the parameters
-    stay gathered), then one reduce-scatter per unit at the end (``fsdp.finish_pipelined_backward``).
+
+    What ``PipelineStage`` holds is held: each forward of a stage after the first reads
+    the received activation from its receive buffer (one per microbatch, made by the
+    first step and kept; its gradient is the stage's backward output, sent back and
+    dropped); each backward of a stage before the last starts from the received
+    gradient, in a receive buffer of its own (one per microbatch, kept); the stage's
+    output stays in its forward cache until the microbatch's backward (on the last stage,
+    the logits the loss was computed from). Around an FSDP2 root, every microbatch's
+    backward runs without gradient sync and without resharding after backward (the
+    unsharded gradients accumulate over the microbatches and the parameters stay
+    gathered), then one reduce-scatter per unit at the end
+    (``fsdp.finish_pipelined_backward``).
+
     Checked against torch's ``Schedule1F1B`` and ``ScheduleGPipe`` on 2 gloo ranks
     (tests/test_simulate_pipeline.py): every stage within 1.34 %; where it reads low, the
-    real stage holds one more microbatch activation at its peak, from a buffer of the
-    schedule's not identified. Not simulated: interleaved and zero-bubble schedules (several stages per rank, the weight
-    gradient split from the input gradient), whose in-flight counts differ; the p2p buffers
-    beyond one receive per microbatch; and a peak target, whose planner stays at the floor
-    under a pipeline schedule (it cannot tell one microbatch's step from another's).
+    real stage holds one more microbatch activation at its peak, in a buffer of the
+    schedule's not identified. Not simulated: interleaved and zero-bubble schedules
+    (several stages per rank, the weight gradient apart from the input's), whose
+    in-flight counts differ; and a peak target, whose planner stays at the floor under a
+    pipeline schedule (it cannot tell one microbatch's step from another's).
 """
 
 from __future__ import annotations
@@ -46,8 +51,12 @@ SCHEDULES = ("1F1B", "GPipe")
 
 @dataclass(frozen=True)
 class Pipeline:
-    """The stage a simulation runs: ``stage`` of ``stages``, ``microbatches`` per step,
-    under ``schedule`` (``"1F1B"`` or ``"GPipe"``)."""
+    """The pipeline stage :func:`~ac2_dist.simulate.simulate` runs: stage ``stage``
+    (0-based) of ``stages``, ``microbatches`` microbatches a step, under ``schedule``:
+    ``"1F1B"`` (``Schedule1F1B``: stage s keeps up to ``stages - s`` microbatches in
+    flight) or ``"GPipe"`` (``ScheduleGPipe``: every microbatch's forward before any
+    backward). Raises ValueError for a stage out of range, a count below 1 or another
+    schedule."""
 
     stages: int
     stage: int
