@@ -67,7 +67,7 @@ except ImportError:  # torch built without distributed
     FSDPModule = None  # type: ignore[assignment,misc]
 
 __all__ = ["is_fsdp_unit", "unsharded_params", "is_unsharded", "is_gathered_or_gathering", "ensure_unsharded",
-           "own_ops_scope", "collective_buffers", "pipelined_backward", "finish_pipelined_backward"]
+           "own_ops_scope"]
 
 # See Note [FSDP's own ops are not structure].
 #: FSDP profiler scopes whose ops compute the module's data.
@@ -117,8 +117,8 @@ def collective_buffers(module: nn.Module) -> tuple[Any, int] | None:
 def pipelined_backward(module: nn.Module) -> Iterator[None]:
     """One microbatch's backward under a pipeline schedule, as torch.distributed.pipelining's
     ``PipelineStage`` runs it around an FSDP2 root ``module``: no gradient sync, no reshard
-    after backward, not the last backward (Note [A pipeline stage's step] in
-    _sim/_pipeline.py). Nothing for another module."""
+    after backward, not the last backward. Nothing for another module."""
+    # See Note [A pipeline stage's step] in _sim/_pipeline.py.
     if FSDPModule is not None and isinstance(module, FSDPModule):
         module.set_is_last_backward(False)
         module.set_reshard_after_backward(False)
