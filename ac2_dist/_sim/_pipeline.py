@@ -203,7 +203,6 @@ class HFStage(nn.Module):
             model.lm_head = None
         self.model = model
         self.pipeline = p
-        self.layers = (lo, hi)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inner = self.model.model  # type: ignore[union-attr]
