@@ -26,7 +26,7 @@ needs_c = pytest.mark.skipif(_tracer.C_DISPATCH is None, reason="the C recorder 
 
 
 def test_the_recorder_in_use_is_the_one_the_switch_and_the_build_say():
-    if _PURE:  # CI step 6 (the GPU machine's stack) runs the whole suite on the Python recorder
+    if _PURE:  # CI step 6 (the GPU machine's stack) runs the suite on the Python recorder
         assert _tracer.C_DISPATCH is None and _tracer.Tracer.__torch_dispatch__ is _tracer.PY_DISPATCH
         return
     if not sysconfig.get_config_var("CC"):
