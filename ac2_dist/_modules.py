@@ -246,7 +246,9 @@ def apply_ac(
             context. If not every member runs (the decoder called without its head),
             the region closes when the outermost of the members' enclosing modules
             that was running returns. Eager only: under ``torch.compile`` a group's
-            members run unchecked (a warning says so).
+            members run unchecked (a warning says so). To checkpoint the groups
+            alone, pass a ``modules`` predicate that selects nothing else
+            (``modules=lambda fqn, m: False``).
 
     Raises TypeError for arguments of the wrong kind and ValueError if nothing
     matches (a typo in ``modules`` should not silently checkpoint nothing).
@@ -271,7 +273,7 @@ def apply_ac(
                  where="apply_ac")  # validate first
     config = check_replay(replay)
     selected = _select(model, modules)
-    if not selected:
+    if not selected and not groups:  # groups alone: a predicate that selects nothing else
         raise ValueError(f"ac2_dist.apply_ac: no submodule of {type(model).__name__} matches {modules!r}")
     if config.offload is None:  # one schedule for the blocks of this model (offload.py)
         config = dataclasses.replace(config, offload=Offload())

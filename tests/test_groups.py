@@ -71,6 +71,21 @@ def test_head_group_keeps_less_with_eagers_gradients(name):
     assert ac.is_checkpointed(head.lm_head) and _clean()
 
 
+def test_groups_alone_with_a_selector_that_matches_nothing_else():
+    """Only groups checkpointed (``modules`` a predicate that selects nothing): the decoder
+    stack with its rotary tables as one region, the head as another; eager's gradients, and
+    a selector that matches nothing without groups is still refused."""
+    base = _model("llama")
+    stack = ["model.rotary_emb", "model.layers.0", "model.layers.1"]
+    none = lambda fqn, module: False  # noqa: E731
+    model = ac.apply_ac(copy.deepcopy(base), "recompute_all", modules=none, groups=[stack, list(HEADS["llama"])])
+    assert ac.is_checkpointed(model.model.layers[1]) and ac.is_checkpointed(model.lm_head)
+    assert_bitwise(step_memory(base, _loss, seed=3)["grads"], step_memory(model, _loss, seed=3)["grads"])
+    assert _clean()
+    with pytest.raises(ValueError, match="no submodule of LlamaForCausalLM matches"):
+        ac.apply_ac(copy.deepcopy(base), "recompute_all", modules=none)
+
+
 def test_group_closes_when_the_decoder_runs_without_its_head():
     base = _model("llama")
     model = ac.apply_ac(copy.deepcopy(base), "recompute_all", modules=_layers(base), groups=[["model.norm", "lm_head"]])
