@@ -234,6 +234,25 @@ def test_bench_peak_targets_runs(tmp_path):
     assert json.load(open(out_json))["worst"] == out["worst"] <= 1.0
 
 
+def test_bench_peak_targets_probes_the_next_plan_where_a_plan_settles_short():
+    """Where a settled plan uses under 97 % of its target (the 4-expert Mixtral, whose whole
+    floor-to-no-AC range is 5 % of its peak), the sweep runs the plans one step up the
+    frontier and says whether one fits: the shortfall is granularity (none fits) or the
+    planner's (one does), counted in the summary."""
+    pytest.importorskip("transformers", reason="the 'test' extra installs transformers")
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import bench_peak_targets
+
+    out = bench_peak_targets.main(["--models", "mixtral", "--targets", "9", "--steps", "4"])
+    rows = out["models"][0]["rows"]
+    short = [r for r in rows if r["settled_use"] < bench_peak_targets.USE]
+    assert short and all("next_plan_use" in r for r in short)
+    assert all("next_plan_use" not in r for r in rows if r not in short)
+    assert all(r["worst"] <= 1.0 for r in rows), rows  # the probe runs after the measured steps
+    fits = [r for r in short if r["next_plan_use"] is not None and r["next_plan_use"] <= 1.0]
+    assert out["short_with_a_fitting_plan"] == len(fits)
+
+
 def test_bench_pareto_runs(tmp_path):
     """The Pareto sweep runs on a tiny HF GPT-2: every system measured in one run, ac2 at each
     compile point's peak within it with no more recompute, every peak target met at every step."""
