@@ -27,29 +27,35 @@ def _sim(rank, modes=("none", "full"), **kw):
                     modes=list(modes), device="cpu", **args)
 
 
-@pytest.fixture(scope="module")
-def both(tmp_path_factory):
-    """Every rank simulated; a plan for a target half-way between full AC and no AC (rank
-    0's), written to a file; the 4 real ranks running no AC, full AC and the plan file."""
+def test_every_rank_within_2_percent_and_a_plan_file_within_its_target(tmp_path):
+    """Every rank simulated, no AC and full AC, then a plan for a target half-way between
+    full AC and no AC (rank 0's) written to a file; 4 real ranks run no AC, full AC and the
+    plan file. Every rank's peaks within 2 % of the simulation's. The plan records the
+    DTensor conversions the blocks make (Note [Wrapper subclasses made and unwrapped outside
+    dispatch] in ac2_dist/_trace/_subclass_wraps.py) and the collectives as the job issues
+    them (Note [The simulated collectives complete as eager ones do] in
+    ac2_dist/_sim/_world.py); the job loads it on every rank, its first step follows it, and
+    every step of the job is within the target: the plan keeps clear of it the buffers
+    gloo's threads may free late (Note [Collective buffers gloo frees late] in
+    ac2_dist/_plan/_late_buffers.py). One test, not one per rank and mode: a module fixture
+    would run the 4-rank job once per xdist worker that takes one of its tests."""
     sim = {r: dict(zip(["none", "full"], _sim(r).modes)) for r in range(WORLD)}
     report = _sim(0)
     none, full = sim[0]["none"].peak_bytes, sim[0]["full"].peak_bytes
-    # half-way between the lowest target a plan exists for on gloo and no AC (Note
-    # [Collective buffers gloo frees late] in ac2_dist/_plan/_late_buffers.py)
+    # half-way between the lowest target a plan exists for on gloo and no AC
     target = full + report.late_bytes + (none - full - report.late_bytes) // 2
     report.plan(target)
-    path = str(tmp_path_factory.mktemp("plan") / "plan.json")
+    path = str(tmp_path / "plan.json")
     report.save_plan(path)
     real = run_ranks(case.measure_tp_rank, ["none", "full", "plan"], TP, path, target, world=WORLD)
-    return sim, real, target
-
-
-@pytest.mark.parametrize("rank", range(WORLD))
-@pytest.mark.parametrize("mode", ["none", "full"])
-def test_every_rank_within_2_percent_of_measured(both, rank, mode):
-    sim, real, _ = both
-    predicted, measured = sim[rank][mode].peak_bytes, real[rank][mode]["peak"]
-    assert abs(predicted - measured) <= 0.02 * measured, (rank, mode, predicted, real[rank][mode]["peaks"])
+    off = [(rank, mode, sim[rank][mode].peak_bytes, real[rank][mode]["peaks"])
+           for rank in range(WORLD) for mode in ("none", "full")
+           if abs(sim[rank][mode].peak_bytes - real[rank][mode]["peak"]) > 0.02 * real[rank][mode]["peak"]]
+    assert not off, off
+    for rank, r in enumerate(real):
+        got = r["plan"]
+        assert got["history"][0][1] != "floor", (rank, got)  # step 1 followed the file
+        assert max(got["peaks"]) <= target, (rank, got, target)
 
 
 def test_tensor_parallel_shards_the_blocks():
@@ -113,16 +119,3 @@ def test_cli_refuses_bad_tensor_parallel_input_in_one_line(tmp_path, capsys, ext
     assert len(out.err.strip().splitlines()) == 1 and re.search(match, out.err), out.err
 
 
-def test_plan_file_with_tensor_parallel_blocks_runs_within_the_target(both):
-    """The plan records the DTensor conversions the blocks make (Note [Wrapper subclasses
-    made and unwrapped outside dispatch] in ac2_dist/_trace/_subclass_wraps.py) and the
-    collectives as the job issues them (Note [The simulated collectives complete as eager
-    ones do] in ac2_dist/_sim/_world.py); the job loads it on every rank, its first step
-    follows it, and every step of the job is within the target: the plan keeps clear of it the
-    buffers gloo's threads may free late (Note [Collective buffers gloo frees late] in
-    ac2_dist/_plan/_late_buffers.py)."""
-    _, real, target = both
-    for rank, r in enumerate(real):
-        got = r["plan"]
-        assert got["history"][0][1] != "floor", (rank, got)  # step 1 followed the file
-        assert max(got["peaks"]) <= target, (rank, got, target)
