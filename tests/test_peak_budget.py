@@ -408,7 +408,10 @@ def test_peak_target_on_two_ranks_same_plan_on_every_rank(kind, fractions):
             limit = run["target"] * TOLERANCE + out["spread"]
             assert all(p <= limit for p in run["peaks"]), (rank, run["peaks"], limit, run["describe"])
             assert all(run["bitwise"]), (rank, run["bitwise"])
-            assert run["plans"][4] == run["plans"][5] == run["plans"][6], run["describe"]
+            # One plan from step 6 on (what the guide promises: the floor, at most 4 planned
+            # steps, then the cheapest plan measured within the target, which need not be
+            # step 5's: a 4th planned step happens when gloo's timing put a step over).
+            assert run["plans"][5] == run["plans"][6], run["describe"]
             assert run["state"] == "settled", run["describe"]
     for a, b in zip(results[0]["runs"], results[1]["runs"]):
         assert a["plans"] == b["plans"]  # Note [One plan on every rank]
