@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ._plan import _plan_file
-from ._plan._peak_model import _solve, _solve_from
+from ._plan._peak_model import _solve, _solve_from, block_of
 from ._plan._peak_verify import _TRIES, _USE
 from ._sim import _report
 from ._sim._pipeline import Pipeline, StageStep
@@ -157,7 +157,7 @@ class SimulationReport:
         if check:
             choice, bases, guard, run = self._climb(options, tuple(choice), bases, planned)
         dks = [o[i].dk for o, i in zip(options, choice)]
-        predicted = origin + max(base + sum(dks[:int(s.split(":")[1]) + 1]) for s, base in bases.items())
+        predicted = origin + max(base + sum(dks[:block_of(s) + 1]) for s, base in bases.items())
         chosen = [o[i] for o, i in zip(options, choice)]
         report = ModeReport(name, predicted, floor.start, {}, "predicted (peak model)",
                             sum(o.flops for o in chosen), sum(o.seconds for o in chosen), {}, predicted)
@@ -205,7 +205,7 @@ class SimulationReport:
             peaks = {s: v - origin for s, v in run.segments.items()}
             measured = max(peaks.values()) + origin
             dks = [o[i].dk for o, i in zip(options, choice)]
-            implied = {s: peaks[s] - sum(dks[:int(s.split(":")[1]) + 1]) for s in peaks}
+            implied = {s: peaks[s] - sum(dks[:block_of(s) + 1]) for s in peaks}
             over = measured > nbytes
             if over:
                 guard = {s: max(guard.get(s, implied[s]), implied[s]) for s in peaks}

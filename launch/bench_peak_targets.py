@@ -11,8 +11,9 @@ floor's peak (``"recompute_all"``) and no AC's, both measured here first. For ea
 a fresh model and budget run ``--steps`` steps; every step's peak is read from the
 allocator's events (bytes above what was allocated when the step began, the scale of a
 CPU peak target), not from ac2's reports. Printed per target: each step's peak / target,
-the planner's state and its planned steps, and the worst step; then the worst step and
-the least settled use (the last step's peak / target) over all. The planner measures
+the planner's state and its planned steps, the settled plan's recompute as the planner
+estimates it (the roofline time it minimizes within the target), and the worst step;
+then the worst step and the least settled use (the last step's peak / target) over all. The planner measures
 step 1 at the floor, then verifies a plan per step, climbing while a step used less than
 97 % of the target, for at most 4 planned steps, and follows one plan from then on. Where
 a settled plan uses less than 97 %, the plans one step up its frontier (one block at a
@@ -119,10 +120,12 @@ def sweep(name: str, targets: int, steps: int) -> dict:
         model = ac.apply_ac(copy.deepcopy(base), budget, modules=types)
         ratios = [peak(model, ids) / target for _ in range(steps)]
         planner = budget.peak_planner
+        seconds, flops = planner.recompute()
         row = {"fraction": fraction, "target": target, "peak_over_target": ratios, "state": planner.state,
-               "planned_steps": planner.planned_steps, "worst": max(ratios), "settled_use": ratios[-1]}
+               "planned_steps": planner.planned_steps, "worst": max(ratios), "settled_use": ratios[-1],
+               "recompute_est_us": seconds * 1e6, "recompute_flops": flops}
         line = (f"{name:7} {fraction:4.2f} of the way  target {target:>9} B  steps " + " ".join(f"{r:.3f}" for r in ratios)
-                + f"  {planner.state} after {planner.planned_steps} planned")
+                + f"  {planner.state} after {planner.planned_steps} planned; recompute {seconds * 1e6:.1f} us est.")
         if ratios[-1] < USE:
             row["next_plan_use"] = next_plan_use(planner, model, ids, target)
             line += ("; next plan up: " + ("none (every block saves all it can)" if row["next_plan_use"] is None

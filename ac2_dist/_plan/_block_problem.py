@@ -173,6 +173,9 @@ class _Option:
     seconds: float
     flops: int
     saved: frozenset
+    # bytes above its floor at each sub-segment "bwd:k/i" of its own backward (i = 1, 2, ...;
+    # ``dk`` where absent): a correction's price (Note [A block's backward, replay by replay] in _peak_model.py)
+    at: tuple[int, ...] = ()
 
 
 class _Problem:

@@ -102,6 +102,9 @@ class _BudgetRegion:
         self.observing = False  # self._observe is installed on the graph
         self.previous_observer: Any = None
         self.first_handle = 0
+        # node seq -> call index of a planned call's ops, while a peak target's planner wants
+        # them (Note [A block's backward, replay by replay] in _peak_model.py); None: not noted
+        self.seq_calls: dict[int, int] | None = None
         self.allow_mutation = False
         self.cost: _CostModel | None = None
         self.scopes: list[tuple[int, bool]] = []  # open FSDP profiler scopes: (handle key, FSDP's own ops)
@@ -180,12 +183,16 @@ class _BudgetRegion:
         if graph is None:  # no grad: nothing is recorded
             return
         self.graph = graph
+        self.seq_calls = None
         planner = self.budget._planner
         if planner is not None:
             planner.enter(self, graph)
         if self.plan is not None:
             if graph.tracker is not None:
                 graph.tracker._note_plan(self.fqn, self.plan)
+            if self.seq_calls is not None:  # the planner asked (PeakPlanner.enter)
+                self.previous_observer = graph.observer
+                graph.observer = self._note_call
             return
         frames = graph.frames
         self.allow_mutation = bool(frames) and frames[-1].fn is self and frames[-1].allow_mutation
@@ -194,6 +201,15 @@ class _BudgetRegion:
         self.previous_observer = graph.observer
         graph.observer = self._observe
         self.first_handle = graph.packed
+
+    def _note_call(self, node: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """The observer of a planned call whose planner wants its nodes' call indices."""
+        previous = self.previous_observer
+        if previous is not None:
+            previous(node, func, args, kwargs, out)
+        if self.current is not None and self.seq_calls is not None and not getattr(func, "ac2_conversion", False) \
+                and not op_info(func).ignored:
+            self.seq_calls[node.seq] = self.current
 
     def _observe(self, node: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         previous = self.previous_observer
@@ -234,7 +250,7 @@ class _BudgetRegion:
                 planner.exit(self)
 
     def _region_exit(self, graph: Any, failed: bool) -> None:
-        if self.observing:
+        if self.observing or (self.seq_calls is not None and graph.observer == self._note_call):
             graph.observer = self.previous_observer
         plan = self.plan
         if plan is not None:

@@ -69,7 +69,7 @@ from .._pipelining import pipeline_microbatch as _pipeline_microbatch
 from .._sizes import human_bytes as _human
 from ._block_problem import BlockBudget, Plan, _Option, _Problem
 from ._late_buffers import late_collective_bytes
-from ._peak_model import _solve, _solve_from
+from ._peak_model import _solve, _solve_from, block_of
 from ._peak_offload import remember_schedule
 from ._peak_report import describe
 from ._peak_step import _Call, _Record, _Step, _watch_model
@@ -79,6 +79,7 @@ __all__ = ["PeakPlanner"]
 
 _HISTORY = 64  # measured steps describe() lists
 _MAX_CALLS = 4096  # regions per step the planner follows
+_MAX_SUBS = 512  # sub-segment marks per block's backward (Note [A block's backward, replay by replay])
 _OVERLAP = ("forwards and backwards of several steps interleaved (microbatches in flight, as under a "
             "pipeline schedule, or a forward without its backward)")
 
@@ -303,6 +304,9 @@ class PeakPlanner:
             step.mark(f"fwd:{k}")
             remember_schedule(self, graph)
         graph.on_backward = partial(self._backward, step, k)
+        if self.state == "planned" and plan is not None:  # Note [A block's backward, replay by replay]
+            region.seq_calls = step.calls[k].seq_calls = {}
+            graph.on_replay = partial(self._replayed, step, k)
         region.peak_call = (step, k)
 
     def exit(self, region: Any) -> None:
@@ -339,6 +343,22 @@ class PeakPlanner:
         except RuntimeError:  # unpacked outside a backward pass
             with self.lock:
                 step.problem = step.problem or "its saved values were read outside a backward pass"
+
+    def _replayed(self, step: _Step, k: int, graph: Any, nodes: list) -> None:
+        """Block ``k``'s graph replayed ``nodes``: remember what it made and, once its backward
+        has begun, mark a sub-segment (Note [A block's backward, replay by replay] in _peak_model.py)."""
+        with self.lock:
+            if k >= len(step.calls) or step.ended:
+                return
+            calls = step.calls[k].seq_calls
+            if calls is None:
+                return
+            now = step.made_now.setdefault(k, set())
+            now.update(calls[n.seq] for n in nodes if n.seq in calls)
+            marks = step.made.setdefault(k, [])
+            if graph.on_backward is None and len(marks) < _MAX_SUBS:  # its backward began (the mark fired)
+                marks.append(frozenset(now))
+                step.mark(f"bwd:{k}/{len(marks)}")
 
     def _collect(self, step: _Step, trace: AllocationTrace) -> None:
         step.collect(trace)
@@ -455,8 +475,10 @@ class PeakPlanner:
             opts = self._options[signature] = self.problems[signature].frontier()
         return opts
 
-    def _plan(self, measured: tuple[tuple[int, ...] | None, dict[str, int]] | None = None) -> None:
-        """The next plan: from the bases, or from a measured plan under the target and its step's peaks."""
+    def _plan(self, measured: tuple[tuple[int, ...] | None, dict[str, int], dict[int, list[frozenset[int]]]] | None
+              = None) -> None:
+        """The next plan: from the bases, or from a measured plan under the target, its step's
+        peaks and what its blocks' replays had made at their sub-segments."""
         calls = self.structure or []
         if not calls or any(c.signature not in self.problems for c in calls):
             self.choice = None
@@ -471,8 +493,8 @@ class PeakPlanner:
         if measured is None:
             choice = _solve(options, self.bases or {}, cap - margin)
         else:
-            choice, self.bases = _solve_from(options, [self.problems[c.signature] for c in calls], *measured, cap,
-                                             margin)
+            choice, self.bases = _solve_from(options, [self.problems[c.signature] for c in calls], *measured[:2], cap,
+                                             margin, made=measured[2])
         if choice is not None and all(i == 0 for i in choice):
             choice = None
         self._install(choice)
@@ -501,7 +523,7 @@ class PeakPlanner:
             return None
         dks = self._dks(choice)
         return self.base_abs + max(
-            base + sum(dks[:int(s.split(":")[1]) + 1]) for s, base in self.bases.items())
+            base + sum(dks[:block_of(s) + 1]) for s, base in self.bases.items())
 
     def _cost(self, choice: tuple[int, ...] | None) -> float:
         if choice is None:

@@ -20,7 +20,8 @@ Note [The peak model]
     with ``alive(fwd:k) = alive(bwd:k) = {0..k}``: block k's own saves count in its
     forward (they accumulate there) and in its backward (the floor recomputes its
     values lazily, one chain per unpack, so at its backward's start the floor holds
-    fewer of them than a plan that saved them). Blocks later in the forward are alive
+    fewer of them than a plan that saved them; a correction prices that: Note [A block's
+    backward, replay by replay]). Blocks later in the forward are alive
     in fewer segments; the last block's saves are alive only in its own forward and
     backward and in what runs between them (the head, the loss, its backward): saving
     there costs the least peak. The bases hold everything that does not depend on the
@@ -68,11 +69,38 @@ Note [A climb that replays nothing new]
     takes the cheaper. Climbing from a plan under the target -- saving more, replaying
     less -- is the first kind, so a climb can reach the target itself where a margin of
     one output (a GPT-2 MLP activation: 16 MiB at 6 x 512, seq 512, batch 4) would stop it short.
+
+Note [A block's backward, replay by replay]
+    Block k's own saves do not all add at its backward's peak: what a plan A replays there
+    is alive from its replay on, as it would be if it were saved, so saving it costs bytes
+    only *before* A's replay made it. A correction from A prices that: a planned step marks,
+    after each replay once block k's backward has begun (``Graph.on_replay``), a
+    sub-segment ``bwd:k/i`` and remembers what block k's replays had made by then
+    (``made_i``, by the ops' policy call indices, which a calibration's records share: node
+    seqs differ between calls; a planned call notes them through the graph's observer, for
+    the few planned steps). In a correction ``bwd:k`` stands for the stretch before the first
+    mark (the first replay's working set), priced in full; in the bases and the guard it is
+    still the whole backward. At ``bwd:k/i`` an option ``o`` of block k adds
+
+        at_i(o) = held(A | (o - made_i)) - held(A)
+
+    above A's measured peak there (its saves A had not replayed yet), not ``held(o | A) -
+    held(A)``: a value made by then is alive under both plans until its last use and freed
+    there under both (use counts), so it adds nothing. The earlier blocks' options add in
+    full, as everywhere in their backward and after. Where A's peak sat late in a block's backward -- after the replays that
+    made what a larger plan would save -- the larger plan adds nothing there (HF Mixtral,
+    3 x 64, 4 experts: the next plan up saved 128 KiB more and measured the same peak, the
+    whole-segment price said +131,072 B over the target). The marks' peaks join the sync
+    round only where every rank marked the same sub-segments and made the same values
+    (a fingerprint in the header); otherwise, and after a step over the target, the
+    model prices whole segments again. The first plan (from the floor) and the simulator
+    price whole segments.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from typing import Any
 
@@ -93,10 +121,22 @@ def _above(options: list[_Option], problem: Any, measured: frozenset) -> tuple[l
 _GRID = 4096  # the DP rounds bytes up to target / _GRID
 
 
+def block_of(segment: str) -> int:
+    """The block index of a segment name (``fwd:k``, ``bwd:k``, ``bwd:k/i``)."""
+    return int(segment.split(":")[1].split("/")[0])
+
+
+def _sub_caps(bases: dict[str, int], k: int, target: int) -> list[tuple[int, int]]:
+    """(i - 1, target - base) of block k's sub-segments ``bwd:k/i`` in ``bases``."""
+    head = f"bwd:{k}/"
+    return [(int(s[len(head):]) - 1, target - b) for s, b in bases.items() if s.startswith(head)]
+
+
 def _solve(options: list[list[_Option]], bases: dict[str, int], target: int) -> tuple[int, ...] | None:
     """One option per block, least summed cost, every segment's prediction
-    ``base_s + sum(dk_j, j <= k)`` <= ``target`` (Note [The peak model]); ``None`` if
-    even the options with the fewest bytes do not fit."""
+    ``base_s + sum(dk_j, j <= k)`` <= ``target`` (Note [The peak model]; at block k's
+    sub-segments with its option's ``at`` price: Note [A block's backward, replay by
+    replay]); ``None`` if even the options with the fewest bytes do not fit."""
     n = len(options)
     caps = []
     for k in range(n):
@@ -107,12 +147,15 @@ def _solve(options: list[list[_Option]], bases: dict[str, int], target: int) -> 
     states: dict[int, tuple[float, int, Any]] = {0: (0.0, 0, None)}
     for k, opts in enumerate(options):
         cap = caps[k] / q
+        subs = [(i, c / q) for i, c in _sub_caps(bases, k, target)]
         nxt: dict[int, tuple[float, int, Any]] = {}
         for s, (cost, flops, back) in states.items():
             for i, o in enumerate(opts):
                 s2 = s + -(-o.dk // q)
                 if s2 > cap:
                     break  # options are sorted by dk
+                if subs and any(s + -(-(o.at[j] if j < len(o.at) else o.dk) // q) > c for j, c in subs):
+                    continue
                 key = (cost + o.seconds, flops + o.flops)
                 cur = nxt.get(s2)
                 if cur is None or key < cur[:2]:
@@ -136,17 +179,41 @@ def _solve(options: list[list[_Option]], bases: dict[str, int], target: int) -> 
     return tuple(reversed(picked))
 
 
+def _at(options: list[_Option], problem: Any, measured: frozenset, made: list[frozenset[int]]) -> list[_Option]:
+    """``options`` (priced by :func:`_above`) with their ``at`` prices at the block's
+    sub-segments, whose replays had made ``made`` (the ops' call indices):
+    Note [A block's backward, replay by replay]."""
+    if not made:
+        return options
+    seq_of = {r.call: r.seq for r in problem.records.values() if r.call is not None}
+    held = problem.evaluate(measured)[0]
+    cache: dict[frozenset, int] = {}
+
+    def price(extra: frozenset) -> int:
+        if extra not in cache:
+            cache[extra] = max(0, problem.evaluate(measured | extra)[0] - held)
+        return cache[extra]
+
+    made = [frozenset(seq_of[c] for c in m if c in seq_of) for m in made]
+    return [dataclasses.replace(o, at=tuple(min(o.dk, price(o.saved - m)) for m in made)) for o in options]
+
+
 def _solve_from(options: list[list[_Option]], problems: list[Any], measured: tuple[int, ...] | None,
-                peaks: dict[str, int], target: int, margin: int = 0) -> tuple[tuple[int, ...], dict[str, int]]:
+                peaks: dict[str, int], target: int, margin: int = 0,
+                made: dict[int, list[frozenset[int]]] | None = None) -> tuple[tuple[int, ...], dict[str, int]]:
     """A corrected plan (Note [A correction adds to what was measured]): the cheapest choice
     whose prediction from the measured plan ``measured`` (an option index per block; None:
     the floor) and its step's segment ``peaks`` fits ``target``, or ``measured`` itself if
     none does; and the bases that prediction implies for the model of :func:`_solve`.
     A choice that replays an op the measured plan did not replay fits ``target - margin``
-    only (Note [A climb that replays nothing new])."""
+    only (Note [A climb that replays nothing new]). ``made``: per block, what its replays
+    had made at each of its sub-segments in ``peaks`` (Note [A block's backward, replay
+    by replay])."""
     priced, back, fresh = [], [], []
-    for opts, problem, i in zip(options, problems, measured or [0] * len(options)):
+    for k, (opts, problem, i) in enumerate(zip(options, problems, measured or [0] * len(options))):
         p, b = _above(opts, problem, opts[i].saved)
+        subs = len([s for s in peaks if s.startswith(f"bwd:{k}/")])
+        p = _at(p, problem, opts[i].saved, (made or {}).get(k, [])[:subs])
         priced.append(p)
         back.append(b)
         replayed = problem.evaluate(opts[i].saved)[2]
@@ -159,8 +226,26 @@ def _solve_from(options: list[list[_Option]], problems: list[Any], measured: tup
             if picked is None or _cost(priced, within) < _cost(priced, picked):
                 picked = within
     choice = tuple(measured or [0] * len(options)) if picked is None else tuple(b[i] for b, i in zip(back, picked))
-    extra = [p[b.index(i)].dk - opts[i].dk for p, b, opts, i in zip(priced, back, options, choice)]
-    return choice, {s: base + sum(extra[:int(s.split(":")[1]) + 1]) for s, base in peaks.items()}
+    mine = [p[b.index(i)] for p, b, i in zip(priced, back, choice)]
+    extra = [o.dk - opts[i].dk for o, opts, i in zip(mine, options, choice)]
+    bases = {}
+    for s, base in peaks.items():
+        k = block_of(s)
+        own = mine[k].dk
+        if "/" in s:  # its sub-segment's price (Note [A block's backward, replay by replay])
+            j = int(s.split("/")[1]) - 1
+            own = mine[k].at[j] if j < len(mine[k].at) else own
+        bases[s] = base + sum(extra[:k]) + own - options[k][choice[k]].dk
+    return choice, bases
+
+
+def fingerprint(made: dict[int, list[frozenset[int]]]) -> int:
+    """A number every rank computes alike from the same sub-segments and made values
+    (Note [A block's backward, replay by replay]): 0 for none."""
+    if not any(made.values()):
+        return 0
+    text = repr(sorted((k, [sorted(m) for m in ms]) for k, ms in made.items()))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big") + 1
 
 
 def _cost(options: list[list[_Option]], choice: tuple[int, ...]) -> tuple[float, int]:

@@ -46,6 +46,8 @@ class _Call:
     fqn: str
     dk: int  # bytes its plan saves above its floor (0 at the floor)
     signature: tuple | None = None  # its structure (known when it exits)
+    # its nodes' call indices (Note [A block's backward, replay by replay] in _peak_model.py)
+    seq_calls: dict[int, int] | None = None
 
 
 @dataclass
@@ -63,8 +65,14 @@ class _Step:
     ended: bool = False  # its backward completed
     problem: str | None = None  # why it cannot be measured
     peaks: dict[str, int] | None = None  # segment -> peak above the step's start
+    parts: dict[str, int] = field(default_factory=dict)  # sub-segments of blocks' backward -> peak (and bwd:k before them)
     choice: Any = None  # the planner's choice when it began (what its blocks should follow)
     at_model: bool = False  # it began at the model's forward (mark "start"), not at its first region
+    # per block, what its replays had made (its ops' call indices) at each mark
+    # "bwd:k/i" (i = 1, 2, ...), and everything made so far (Note [A block's backward, replay
+    # by replay] in _peak_model.py)
+    made: dict[int, list[frozenset[int]]] = field(default_factory=dict)
+    made_now: dict[int, set[int]] = field(default_factory=dict)
 
     def mark(self, what: str) -> None:
         if self.trace is not None:
@@ -74,6 +82,7 @@ class _Step:
         out = [f"{self.prefix}start"] if self.at_model else []
         for k in range(len(self.calls)):
             out += [f"{self.prefix}fwd:{k}", f"{self.prefix}bwd:{k}"]
+            out += [f"{self.prefix}bwd:{k}/{i}" for i in range(1, len(self.made.get(k, ())) + 1)]
         return out + [f"{self.prefix}end"]
 
     def collect(self, trace: AllocationTrace | AllocatorHistory) -> None:
@@ -88,6 +97,21 @@ class _Step:
             return
         n = len(self.prefix)
         self.peaks = {name[n:]: peak - start[0] for name, (_, peak) in spans.items() if not name.endswith("end")}
+        # Note [A block's backward, replay by replay] (_peak_model.py): a block's sub-segments
+        # go to ``parts`` (with its backward up to the first of them); ``peaks`` keeps whole segments.
+        self.parts = {}
+        for k, marks in self.made.items():
+            whole, m = f"bwd:{k}", 0
+            while whole in self.peaks and m < len(marks) and f"{whole}/{m + 1}" in self.peaks:
+                m += 1
+            del marks[m:]  # a mark the trace did not see (it stopped first) is no sub-segment
+            if m:
+                self.parts[whole] = self.peaks[whole]
+            for i in range(1, m + 1):
+                part = self.parts[f"{whole}/{i}"] = self.peaks.pop(f"{whole}/{i}")
+                self.peaks[whole] = max(self.peaks[whole], part)
+        for name in [s for s in self.peaks if "/" in s]:  # marks of no remembered replay
+            del self.peaks[name]
         # Note [What a peak target bounds] (_peak.py): from the model's forward to the first
         # block (FSDP's root all-gather, the embedding) is part of the first block's segment.
         self.peaks["fwd:0"] = max(self.peaks["fwd:0"], self.peaks.pop("start", 0))

@@ -7,8 +7,9 @@ Note [Verify, correct, stay put]
     save): converged. Over the target: each segment's base is raised to what the step
     implies (measured minus the plan's ``dk``) and the plan is solved again. Under by more
     than ``1 - _USE``: solved again, priced from that step's peaks up (Note [A correction
-    adds to what was measured] in _peak_model.py), each such correction a climb towards the
-    target. A corrected plan is solved for the target less the largest candidate output
+    adds to what was measured] in _peak_model.py) and, in a block's own backward, replay by
+    replay (Note [A block's backward, replay by replay] in _peak_model.py), each such
+    correction a climb towards the target. A corrected plan is solved for the target less the largest candidate output
     unless it replays nothing the measured plan did not (Note [A climb that replays nothing
     new] in _peak_model.py). After ``_TRIES`` planned steps the planner keeps the cheapest
     plan whose measured peak was within the target (the floor if none was) and stops
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ._peak_model import block_of, fingerprint
 from ._peak_offload import offload_block_inputs
 from ._peak_step import _all_max, _missing, _Record, _Step
 
@@ -61,9 +63,17 @@ def use(planner: Any, step: _Step | None) -> None:
     unsettled = planner.state != "settled"  # a settled rank measures nothing and vetoes nothing
     if planner.late is None:
         planner.late = planner._late_bytes(device)
+    # Note [A block's backward, replay by replay] (_peak_model.py): the sub-segments join the
+    # round where every rank marked the same ones and made the same values there
+    made = step.made if step is not None and problem is None and step.parts else {}
+    parts = sorted(step.parts, key=_order) if made else []
+    mark = fingerprint(made)
     head = [int(unsettled), int(unsettled and problem is not None), n, -n, planner.target, -planner.target, now_abs,
-            planner.late]
-    synced = _all_max(head + [peaks.get(s, -1) if peaks else -1 for s in segments])
+            planner.late, mark, -mark]
+    synced = _all_max(head + [peaks.get(s, -1) if peaks else -1 for s in segments] + [step.parts[s] for s in parts])
+    if not (mark and synced[8] == -synced[9] == mark):
+        made, parts = {}, []
+    part_peaks = {s: step.parts[s] for s in parts} if step is not None else {}
     planner.all_settled = synced[0] == 0
     if synced[1] and problem is None:
         problem = "another rank could not measure it"
@@ -72,6 +82,7 @@ def use(planner: Any, step: _Step | None) -> None:
         planner.late = synced[7]  # the largest any rank found: every rank plans for the same target
         if peaks:
             peaks = {s: synced[len(head) + i] for i, s in enumerate(segments)}
+            part_peaks = {s: synced[len(head) + len(segments) + i] for i, s in enumerate(parts)}
     planner.base_abs = now_abs
     if planner.state == "settled":
         if step is not None:
@@ -94,7 +105,7 @@ def use(planner: Any, step: _Step | None) -> None:
     planner.measured = measured
     target = planner.planned_target
     dks = [c.dk for c in calls]
-    implied = {s: peaks[s] - sum(dks[:int(s.split(":")[1]) + 1]) for s in segments}
+    implied = {s: peaks[s] - sum(dks[:block_of(s) + 1]) for s in segments}
     choice = step.choice
     planner._remember(_Record(step.index, planner._describe_choice(choice), planner.predicted, measured,
                            "over the target" if measured > planner.target else
@@ -137,9 +148,20 @@ def use(planner: Any, step: _Step | None) -> None:
         planner.bases = {s: max(lowest[s], planner.bases.get(s, lowest[s])) for s in segments}
     planner.structure = list(calls)
     before = planner.choice
-    planner._plan(None if measured > target else (choice, {s: peaks[s] - implied[s] + lowest[s] for s in segments}))
+    if measured > target:
+        planner._plan(None)
+    else:
+        shift = {s: lowest[s] - implied[s] for s in segments}
+        from_peaks = {s: peaks[s] + shift[s] for s in segments}
+        from_peaks.update({s: v + shift[f"bwd:{block_of(s)}"] for s, v in part_peaks.items()})
+        planner._plan((choice, from_peaks, made))
     if planner.choice == before:
         planner._settle("a corrected plan equals the measured one")
+
+
+def _order(segment: str) -> tuple[int, int]:
+    """``bwd:k`` then ``bwd:k/1``, ``bwd:k/2``, ... in block order."""
+    return block_of(segment), int(segment.split("/")[1]) if "/" in segment else 0
 
 
 def followed(planner: Any, step: _Step) -> str | None:

@@ -234,6 +234,10 @@ class Graph(_GraphBackward):
         # MemoryBudget(peak=...) marks where this unit's backward begins; a prefetched
         # replay runs during the next unit's backward and belongs to its span; _peak.py).
         self.on_backward: Any = None
+        # Called as on_replay(graph, nodes) after each replay of recomputed values, with
+        # the nodes it ran (a MemoryBudget(peak=...) marks sub-segments of a block's
+        # backward: Note [A block's backward, replay by replay] in _peak_model.py).
+        self.on_replay: Any = None
         self.rng_chains: list[RngChain] = []  # every chain (rewound at a new epoch)
         self.open_chains: dict[int, RngChain] = {}  # id(generator) -> chain open in forward
         # Set by module wrappers that prefetch (Note [Prefetching the next unit's replay]):

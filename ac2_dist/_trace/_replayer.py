@@ -98,6 +98,7 @@ class Replayer:
     _parked: dict[int, tuple[int, bool]]  # id(prefetched value) -> (handles holding it, replayed)
     executor: Any  # runs one node (ac2_dist.replay: inline, side stream)
     tracker: Any  # an active ac2_dist.memory.Tracker, if any
+    on_replay: Any  # called as on_replay(graph, nodes) after a replay, if set
     rng_chains: list[RngChain]
 
     def realize(self, node: Node, idx: int) -> Any:
@@ -133,8 +134,9 @@ class Replayer:
         direct, infos = self.executor.calls_ops_directly, _INFO
         tracked = self.tracker is not None
         ops = allocated = 0
+        todo = self._missing(node)
         try:
-            for n in self._missing(node):
+            for n in todo:
                 op = n.op
                 info = infos.get(id(op))
                 if (n.saved is not None or not n.scheduled or info is None
@@ -224,6 +226,9 @@ class Replayer:
         finally:
             stats.recomputed_ops += ops
             stats.recomputed_bytes += allocated
+        hook = self.on_replay
+        if hook is not None:
+            hook(self, todo)
 
     @staticmethod
     def _missing(node: Node) -> list[Node]:
