@@ -635,6 +635,24 @@ def test_hf_enable_with_a_peak_target_bounds_the_step_from_the_models_forward(na
         assert budget.peak_planner.state == "settled", budget.format_plan(detail=True)
 
 
+def _steps_at(base, types, loss_fn, fraction):
+    """A fresh copy of ``base`` under a peak target ``fraction`` of the way from the floor's
+    peak to no AC's, run for ``STEPS`` steps, each one's gradients bitwise eager's:
+    (target, the steps' peaks, the budget)."""
+    eager_peak, want = _measured(copy.deepcopy(base), lambda m: m, loss_fn, 2)[-1]
+    floor_peak = _measured(ac.apply_ac(copy.deepcopy(base), "recompute_all", modules=types), lambda m: m,
+                           loss_fn, 2)[-1][0]
+    target = floor_peak + round(fraction * (eager_peak - floor_peak))
+    budget = ac.MemoryBudget(peak=target)
+    model = ac.apply_ac(copy.deepcopy(base), budget, modules=types)
+    peaks = []
+    for _ in range(STEPS):
+        peak, grads = peak_from(model, model, loss_fn)
+        peaks.append(peak)
+        assert_bitwise(want, grads)
+    return target, peaks, budget
+
+
 @pytest.mark.parametrize("fraction", [0.2, 0.3, 0.7])
 def test_a_corrected_plan_stays_within_the_target(fraction):
     """HF GPT-2 (dropout 0.1), 3 blocks, targets 20/30/70 % of the way from the floor's
@@ -644,20 +662,7 @@ def test_a_corrected_plan_stays_within_the_target(fraction):
     and measured 3.6 % over the target at step 3; priced from step 2's peaks up (Note [A
     correction adds to what was measured]), every step is within it."""
     base, types, inputs = _hf_model("gpt2")
-
-    def loss_fn(m):
-        return m(**inputs).logits.float().square().mean()
-
-    eager_peak, want = _measured(copy.deepcopy(base), lambda m: m, loss_fn, 2)[-1]
-    floor_peak = _measured(ac.apply_ac(copy.deepcopy(base), "recompute_all", modules=types), lambda m: m, loss_fn, 2)[-1][0]
-    target = floor_peak + round(fraction * (eager_peak - floor_peak))
-    budget = ac.MemoryBudget(peak=target)
-    model = ac.apply_ac(copy.deepcopy(base), budget, modules=types)
-    peaks = []
-    for _ in range(STEPS):
-        peak, grads = peak_from(model, model, loss_fn)
-        peaks.append(peak)
-        assert_bitwise(want, grads)
+    target, peaks, budget = _steps_at(base, types, lambda m: m(**inputs).logits.float().square().mean(), fraction)
     detail = budget.format_plan(detail=True)
     assert max(peaks) <= target * TOLERANCE, (fraction, [p / target for p in peaks], detail)
     assert budget.peak_planner.state == "settled" and peaks[4] == peaks[5] == peaks[6], detail
@@ -759,21 +764,7 @@ def test_a_climb_uses_the_target_where_a_blocks_own_saves_add_nothing_at_its_pea
     types = sorted({type(m) for m in base.modules() if isinstance(m, GradientCheckpointingLayer)},
                    key=lambda t: t.__name__)
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-
-    def loss_fn(m):
-        return m(input_ids=ids).logits.float().square().mean()
-
-    eager_peak, want = _measured(copy.deepcopy(base), lambda m: m, loss_fn, 2)[-1]
-    floor_peak = _measured(ac.apply_ac(copy.deepcopy(base), "recompute_all", modules=types), lambda m: m,
-                           loss_fn, 2)[-1][0]
-    target = floor_peak + round(0.9 * (eager_peak - floor_peak))
-    budget = ac.MemoryBudget(peak=target)
-    model = ac.apply_ac(copy.deepcopy(base), budget, modules=types)
-    peaks = []
-    for _ in range(STEPS):
-        peak, grads = peak_from(model, model, loss_fn)
-        peaks.append(peak)
-        assert_bitwise(want, grads)
+    target, peaks, budget = _steps_at(base, types, lambda m: m(input_ids=ids).logits.float().square().mean(), 0.9)
     detail = budget.format_plan(detail=True)
     assert max(peaks) <= target, ([p / target for p in peaks], detail)
     assert budget.peak_planner.state == "settled" and peaks[-1] >= 0.97 * target, ([p / target for p in peaks], detail)
