@@ -235,15 +235,16 @@ def test_bench_peak_targets_runs(tmp_path):
 
 
 def test_bench_peak_targets_probes_the_next_plan_where_a_plan_settles_short():
-    """Where a settled plan uses under 97 % of its target (the 4-expert Mixtral, whose whole
-    floor-to-no-AC range is 5 % of its peak), the sweep runs the plans one step up the
-    frontier and says whether one fits: the shortfall is granularity (none fits) or the
-    planner's (one does), counted in the summary."""
+    """Where the last step uses under 97 % of its target (the 4-expert Mixtral, whose whole
+    floor-to-no-AC range is 5 % of its peak, after its first planned step: 0.94 of the target
+    at 60-90 % of the way), the sweep runs the plans one step up the frontier and says whether
+    one fits: the shortfall is granularity (none fits) or the planner's (one does), counted in
+    the summary. Where the last step uses more (the floor settles at 10-50 %), no probe."""
     pytest.importorskip("transformers", reason="the 'test' extra installs transformers")
     sys.path.insert(0, os.path.join(ROOT, "launch"))
     import bench_peak_targets
 
-    out = bench_peak_targets.main(["--models", "mixtral", "--targets", "9", "--steps", "4"])
+    out = bench_peak_targets.main(["--models", "mixtral", "--targets", "9", "--steps", "2"])
     rows = out["models"][0]["rows"]
     short = [r for r in rows if r["settled_use"] < bench_peak_targets.USE]
     assert short and all("next_plan_use" in r for r in short)
