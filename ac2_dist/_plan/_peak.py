@@ -304,7 +304,7 @@ class PeakPlanner:
             step.mark(f"fwd:{k}")
             remember_schedule(self, graph)
         graph.on_backward = partial(self._backward, step, k)
-        if self.state == "planned" and plan is not None:  # Note [A block's backward, replay by replay]
+        if self.state == "planned" and plan is not None and not self.late:  # Note [A block's backward, replay by replay]
             region.seq_calls = step.calls[k].seq_calls = {}
             graph.on_replay = partial(self._replayed, step, k)
         region.peak_call = (step, k)

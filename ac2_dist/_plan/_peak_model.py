@@ -93,8 +93,12 @@ Note [A block's backward, replay by replay]
     whole-segment price said +131,072 B over the target). The marks' peaks join the sync
     round only where every rank marked the same sub-segments and made the same values
     (a fingerprint in the header); otherwise, and after a step over the target, the
-    model prices whole segments again. The first plan (from the floor) and the simulator
-    price whole segments.
+    model prices whole segments again. The first plan (from the floor), the simulator and a
+    job that plans for gloo's late buffers (Note [Collective buffers gloo frees late] in
+    _late_buffers.py: CPU jobs of several ranks) price whole segments: where a late buffer
+    lands moves from step to step, and one CI run of a 2-rank GPT-2 plan file's job with
+    sub-segments went 1.5 % over its target (not reproduced in 7 runs here); a whole
+    segment's base absorbs that, a sub-segment's is not shown to.
 """
 
 from __future__ import annotations
