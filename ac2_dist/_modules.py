@@ -32,6 +32,8 @@ from ._device import device_of
 from ._dropin import is_ac2_checkpoint
 from ._groups import _Group, check_groups, group_name, group_of
 from ._policy import PolicyLike, PolicySource
+from ._rebuild import install as install_rebuild
+from ._rebuild import remove as remove_rebuild
 from ._region import _thread_state, apply_ac_policy
 from ._units import after_region, needs_region
 from .compile import (
@@ -166,7 +168,9 @@ def wrap(
 
 def unwrap(module: nn.Module) -> nn.Module:
     """Undo :func:`wrap` (no-op for a module that is not wrapped). For a member of a
-    module group (``apply_ac(..., groups=)``) the whole group is undone."""
+    module group (``apply_ac(..., groups=)``) the whole group is undone; a module named
+    in ``apply_ac(..., rebuild=)`` stops being recorded."""
+    remove_rebuild(module)
     group = group_of(module)
     if group is not None:
         group.remove()
@@ -213,6 +217,7 @@ def apply_ac(
     allow_cache_entry_mutation: bool = False,
     replay: ReplayConfig | None = None,
     groups: Sequence[Sequence[str]] = (),
+    rebuild: Sequence[str] = (),
 ) -> nn.Module:
     """Checkpoint the selected submodules of ``model`` in place; returns ``model``.
 
@@ -249,6 +254,16 @@ def apply_ac(
             members run unchecked (a warning says so). To checkpoint the groups
             alone, pass a ``modules`` predicate that selects nothing else
             (``modules=lambda fqn, m: False``).
+        rebuild: names (fqns) of modules that run outside every region and make what
+            several regions read, such as a causal LM's rotary embedding
+            (``["model.rotary_emb"]``, whose cos and sin every layer reads). Their
+            forward's ATen ops are recorded, and a region reading one of their outputs
+            keeps what those ops read (the positions) instead of the output and replays
+            the ops in backward. It applies to outputs that do not require grad, made by
+            ops without random draws, collectives or in-place writes, and whose recipe
+            reads fewer bytes (the module's parameters and buffers aside) than the outputs
+            hold; otherwise the outputs are kept as before. Gradients are unchanged. Eager
+            only: under ``torch.compile`` nothing is recorded (a warning says so).
 
     Raises TypeError for arguments of the wrong kind and ValueError if nothing
     matches (a typo in ``modules`` should not silently checkpoint nothing).
@@ -280,6 +295,9 @@ def apply_ac(
     if groups:
         # validated before any module is wrapped: a bad group changes nothing
         check_groups(model, groups, {fqn for fqn, _ in selected} | wrapped_fqns(model))
+    if rebuild:  # validated before any module is wrapped
+        install_rebuild(model, rebuild, {fqn for fqn, _ in selected} | wrapped_fqns(model)
+                        | {f for g in groups for f in g})
     for fqn, module in selected:
         wrap(module, policy, policy_factory=policy_factory, rng=rng,
              allow_cache_entry_mutation=allow_cache_entry_mutation, module_fqn=fqn, replay=config)

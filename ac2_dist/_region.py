@@ -71,6 +71,7 @@ import torch
 from ._compat import MUST_CPU_OFFLOAD
 from ._device import device_of, recorded_device
 from ._policy import SAVE_WITH_HOOKS, PolicyContext, PolicyLike, PolicySource, _Frame, is_save
+from ._rebuild import rebuilder
 from ._streams import region_streams
 from ._trace._graph import Graph
 from ._trace._graph_stats import GraphStats
@@ -278,6 +279,7 @@ class apply_ac_policy:  # noqa: N801 - a public name, used as a function (a cont
         graph = Graph(self._replay.executor(_thread_state, streams), st.frames)
         graph.device = device
         graph.save_unit_outputs = not self._module_region
+        graph.rebuild = rebuilder()  # Note [A region rebuilds an input from its recipe] (_rebuild.py)
         user = user_saved_tensors_hooks()  # before ours go on top
         if user is not None:  # Note [The user's saved-tensor hooks]
             if self._respect_hooks:

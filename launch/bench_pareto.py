@@ -26,6 +26,9 @@ decoder layers checkpointed. Every system runs the same step (``logits.float().s
   the final norm and the LM head as one region (``apply_ac(..., groups=[[norm,
   "lm_head"]])``; compile partitions the whole model, and without a head region eager
   autograd keeps the last layer's output, the norm's normalized value and its output).
+  ``--rebuild``: ac2's Llama layers do not keep the rotary tables (cos, sin) they all
+  read; they replay the rotary embedding's ops from the positions in backward
+  (``apply_ac(..., rebuild=["model.rotary_emb"])``), as compile's partition does.
 
 Measured, never read from ac2's reports: the step's peak from the allocator's events
 (bytes above what was allocated when the step began: the scale of a CPU peak target,
@@ -197,7 +200,8 @@ def sweep(name: str, args: argparse.Namespace) -> dict:
     types = layer_types(base)
     ac2_modules: Any = types
     groups = [["transformer.ln_f" if name == "gpt2" else "model.norm", "lm_head"]] if args.head else []
-    ac2 = functools.partial(ac.apply_ac, modules=ac2_modules, groups=groups)
+    rebuild = ["model.rotary_emb"] if args.rebuild and name == "llama" else []
+    ac2 = functools.partial(ac.apply_ac, modules=ac2_modules, groups=groups, rebuild=rebuild)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     models: dict[str, torch.nn.Module] = {
         "no-ac": copy.deepcopy(base),
@@ -327,6 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=6, help="steps each ac2 target runs before it is measured")
     p.add_argument("--head", action="store_true",
                    help="ac2 also checkpoints the final norm and the LM head, as one region")
+    p.add_argument("--rebuild", action="store_true",
+                   help="ac2's Llama layers rebuild the rotary tables from the positions in backward")
     p.add_argument("--sac-milp", type=int, default=None,
                    help="budgets for torch's sac_milp (default 6 where pulp and pwlf are installed, else 0)")
     p.add_argument("--rounds", type=int, default=3)

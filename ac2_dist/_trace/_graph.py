@@ -269,6 +269,9 @@ class Graph(_GraphBackward):
         self.user_hooks: Any = None
         # A saved node keeps its recipe (Note [A saved value keeps its recipe] in _history.py).
         self.has_recipes = False
+        # Region inputs with a recipe, if the thread made any (Note [A region rebuilds an input
+        # from its recipe] in _rebuild.py): a Rebuilder, set by the region.
+        self.rebuild: Any = None
         self.has_cuts = False  # Note [Nested modules cut the replay]: private replays happen
         # This region's block of an offload schedule (offload.OffloadUnit; set by the region
         # when its ReplayConfig has an Offload): where CPU-offloaded saves go.
@@ -428,6 +431,8 @@ class Graph(_GraphBackward):
             return e.node, e.idx
         if e is None and (made := conversion_ref(self, t)) is not None:
             return made  # Note [Wrapper subclasses made and unwrapped outside dispatch] (_subclass_wraps.py)
+        if e is None and self.rebuild is not None and (made := self.rebuild.ref(self, t, allow_mutation)) is not None:
+            return made  # Note [A region rebuilds an input from its recipe] (_rebuild.py)
         fqn = self.frames[-1].module_fqn if self.frames else ""
         if e is not None and t._is_view():
             found = stale_view(self, t, fqn)
