@@ -123,8 +123,10 @@ class SimulationReport:
         (the planner of ``MemoryBudget(peak=...)``, from the simulated floor step) and,
         with ``check``, simulate the steps the job's planner would verify and correct it
         with (up to 4 planned steps, as the job): while a step leaves more than 3 % of
-        the target unused the next plan saves more, while one is over the target the next
-        saves less; the plan is where they end (the cheapest within the target after 4).
+        the target unused the next plan saves more, within 3 % it changes only to a plan
+        with less recompute that is predicted to fit, while one is over the target the
+        next saves less; the plan is where they end (the cheapest within the target
+        after 4).
         The plan is what
         :meth:`save_plan` writes. Raises ValueError if the target is below the
         simulated floor, naming both."""
@@ -185,9 +187,9 @@ class SimulationReport:
                nbytes: int) -> tuple[tuple[int, ...], dict[str, int], dict[str, int], _Run]:
         """Run the plan in simulated steps as the job's planner verifies it (Note [A plan
         file climbs as the job would]): each step's segment peaks correct the plan (over
-        the target: the bases rise to what the step implies; under by more than the
-        planner's slack: the next plan is priced from the step's peaks up), until a step
-        uses the target, the plan stops changing or ``_TRIES`` plans ran (then the
+        the target: the bases rise to what the step implies; under it: the next plan is
+        priced from the step's peaks up, taken within the planner's slack only if
+        cheaper), until the plan stops changing or ``_TRIES`` plans ran (then the
         cheapest within the target, or the floor). Returns the plan, the model's bases and
         the guard (the bases steps over the target implied) it ends with, and the run of
         the plan returned."""
@@ -198,6 +200,10 @@ class SimulationReport:
         problems = [floor.problems[floor.structure[f]] for f in floor.fqns]
         margin = max((p.records[s].nbytes for p in problems for s in p.candidates), default=0)
         zero = tuple(0 for _ in options)
+
+        def cost(c: tuple[int, ...]) -> float:
+            return sum(o[i].seconds for o, i in zip(options, c))
+
         guard: dict[str, int] = {}
         tried: list[tuple[float, tuple[int, ...], _Run]] = []
         for step in range(1, _TRIES + 1):
@@ -210,14 +216,14 @@ class SimulationReport:
             if over:
                 guard = {s: max(guard.get(s, implied[s]), implied[s]) for s in peaks}
             else:
-                tried.append((sum(o[i].seconds for o, i in zip(options, choice)), choice, run))
+                tried.append((cost(choice), choice, run))
             top = all(i == len(o) - 1 for o, i in zip(options, choice))
-            if not over and (measured >= _USE * nbytes or top):
+            if not over and top:
                 return choice, bases, guard, run
             if step == _TRIES:
                 break
             lowest = {s: max(implied[s], guard.get(s, implied[s])) for s in peaks}
-            before = choice
+            before, kept = choice, bases
             if over:
                 bases = {s: max(lowest[s], bases.get(s, lowest[s])) for s in peaks}
                 choice = _solve(options, bases, cap - margin) or zero
@@ -226,6 +232,8 @@ class SimulationReport:
                                             {s: peaks[s] - implied[s] + lowest[s] for s in peaks}, cap, margin)
             if choice == before:
                 return choice, bases, guard, run
+            if not over and measured >= _USE * nbytes and cost(choice) >= cost(before):
+                return before, kept, guard, run  # within _USE: only a cheaper plan is worth a step
         _, best, run = min(tried, key=lambda t: t[0]) if tried else (0.0, zero, None)
         return best, bases, guard, run if run is not None else self._simulate_plan(options, best)
 
@@ -254,8 +262,9 @@ class SimulationReport:
 #     bases rise to what the step implies, never below what an earlier step over the
 #     target implied -- the guard -- and the plan is solved again; under by more than
 #     ``1 - _USE``, the next plan is priced from the step's peaks up with the job's
-#     ``_solve_from`` and its margin), until a step uses the target, saves everything,
-#     the plan stops changing, or ``_TRIES`` plans ran (then the cheapest within the
+#     ``_solve_from`` and its margin), until a step saves everything, the plan stops
+#     changing, a step using ``_USE`` of the target corrects to no cheaper plan, or
+#     ``_TRIES`` plans ran (then the cheapest within the
 #     target, or the floor). The file holds that plan, the model's bases and the guard:
 #     the job starts where the simulated steps ended, measures its own steps and goes on
 #     correcting from there, and a plan the simulation saw overshoot is not chosen again.
