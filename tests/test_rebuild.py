@@ -243,3 +243,21 @@ def _fsdp_rebuild(rank, world):
 
 def test_rebuild_under_fsdp2_gives_the_same_gradients():
     assert all(run_ranks(_fsdp_rebuild))
+
+
+def test_hf_enable_rebuild_frees_the_tables_and_disable_stops_it():
+    from ac2_dist.integrations import hf
+
+    base = _llama()
+    model = hf.enable(copy.deepcopy(base), "recompute_all", head=True, rebuild=["model.rotary_emb"])
+    hf.enable(model, "recompute_all", head=True, rebuild=["model.rotary_emb"])  # enabling again replaces it
+    assert len(model.model.rotary_emb._forward_pre_hooks) == 1
+    assert_bitwise(step_memory(base, _loss, seed=3)["grads"], step_memory(model, _loss, seed=3)["grads"])
+    refs = _watch(model.model.rotary_emb)
+    loss = _loss(model)
+    assert refs and all(r() is None for r in refs)
+    loss.backward()
+    with pytest.raises(ValueError, match="checkpointed"):
+        hf.enable(copy.deepcopy(base), rebuild=["model.layers.0.self_attn"])
+    hf.disable(model)
+    assert not model.model.rotary_emb._forward_pre_hooks

@@ -53,9 +53,10 @@ HF's own gradient-checkpointing mechanism.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -65,6 +66,8 @@ from .._dropin import checkpoint_with, is_ac2_checkpoint
 from .._groups import _Group, check_groups, group_name, group_of
 from .._modules import watch_steps, wrapped_fqns
 from .._policy import PolicyLike, PolicySource
+from .._rebuild import install as install_rebuild
+from .._rebuild import remove as remove_rebuild
 from ..replay import check_replay
 
 __all__ = ["enable", "disable", "is_enabled", "torch_checkpointed"]
@@ -106,6 +109,7 @@ def enable(
     *,
     policy_factory: Callable[[], PolicyLike] | None = None,
     head: bool = False,
+    rebuild: Sequence[str] = (),
     **region_options: Any,
 ) -> Any:
     """Checkpoint ``model``'s layers with ac2 through HF's mechanism; returns ``model``.
@@ -125,6 +129,10 @@ def enable(
             ``norm``, ``ln_f``, ``final_layer_norm`` or ``norm_f``. Enabling again
             replaces the head's region; ``head=False`` leaves one made before as it is
             (:func:`disable` removes it).
+        rebuild: names of modules whose outputs the layers rebuild in backward instead
+            of keeping, as ``apply_ac``'s ``rebuild``: ``["model.rotary_emb"]`` for a
+            Llama-style model, whose rotary tables every layer reads. Enabling again
+            replaces them; :func:`disable` stops them.
         **region_options: ``rng`` (``"replay"`` by default here: dropout masks are
             regenerated, as HF's torch checkpoint does) and ``allow_cache_entry_mutation``.
 
@@ -173,6 +181,12 @@ def enable(
             if previous is not None:
                 previous.remove()
         check_groups(model, [group], wrapped_fqns(model))
+    if rebuild:
+        for fqn in rebuild if isinstance(rebuild, (list, tuple)) else ():
+            if isinstance(fqn, str) and fqn:  # enabling again replaces them
+                with contextlib.suppress(AttributeError):
+                    remove_rebuild(model.get_submodule(fqn))
+        install_rebuild(model, rebuild, wrapped_fqns(model) | set(group or ()) | _layer_fqns(model))
     _hf_enable(hf_model, every_n_layers)
     _install(hf_model, func, model)
     if group is not None:
@@ -197,6 +211,15 @@ def enable(
 
 
 _FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "norm_f")
+
+
+def _layer_fqns(model: Any) -> set[str]:
+    """The paths of the layers HF's switch checkpoints (its ``GradientCheckpointingLayer``s)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # older transformers: no common layer class
+        return set()
+    return {name for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)}
 
 
 def _head_group(hf_model: Any, named_from: Any) -> list[str]:
@@ -283,13 +306,14 @@ def _hf_enable(model: Any, every_n_layers: int) -> None:
 
 
 def disable(model: Any) -> Any:
-    """Turn HF's checkpointing off again (HF's own method) and the head's region of
-    ``enable(head=True)``; returns ``model``."""
+    """Turn HF's checkpointing off again (HF's own method), the head's region of
+    ``enable(head=True)`` and the recording of ``enable(rebuild=...)``; returns ``model``."""
     hf_model = _hf_model(model, "disable")
     for m in model.modules():
         group = group_of(m)
         if group is not None:
             group.remove()
+        remove_rebuild(m)
     name = "activation_checkpointing_disable"
     if not hasattr(type(hf_model), name):  # transformers < 5
         name = "gradient_checkpointing_disable"
