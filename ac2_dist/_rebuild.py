@@ -89,19 +89,21 @@ class _Recipe:
 class _Recorder(TorchDispatchMode):
     """Records a rebuild module's ops (Note [A region rebuilds an input from its recipe])."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.recipe = _Recipe()
         self.made: dict[int, tuple[weakref.ref, int, int, int]] = {}  # id -> (ref, step, idx, version)
         self.leaf_index: dict[int, int] = {}
         self.why: str | None = None  # why the recipe was refused
-        self.state = state
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.why is None:
-            self.why = self._record(func, types, args, kwargs, out)
+            try:
+                self.why = self._record(func, types, args, kwargs, out)
+            except Exception as e:  # noqa: BLE001 - an op the recorder cannot describe: no recipe, the op ran
+                self.why = f"{func}: {type(e).__name__}: {e}"
         return out
 
     def _source(self, t: torch.Tensor) -> tuple[int, int]:
@@ -199,7 +201,7 @@ class Rebuilder:
 
     def __init__(self, recipes: dict[int, _Entry]) -> None:
         self.recipes = recipes
-        self.made: dict[tuple[int, int], Any] = {}  # (id(recipe), step) -> the node recorded here
+        self.made: dict[tuple[_Recipe, int], Any] = {}  # (recipe, step) -> the node recorded here
 
     def ref(self, graph: Any, t: torch.Tensor, allow: bool) -> tuple[Any, int] | None:
         """The node output standing for the region input ``t``, recorded from its
@@ -207,8 +209,7 @@ class Rebuilder:
         e = self.recipes.get(id(t))
         if e is None or e.ref() is not t or e.version != version_of(t):
             return None
-        recipe = e.recipe
-        key = id(recipe)
+        key = recipe = e.recipe
         made = self.made
         fqn = graph.frames[-1].module_fqn if graph.frames else ""
         for s in recipe.cone(e.step):
@@ -264,7 +265,7 @@ class _Rebuild:
             st.recording.append(None)  # inside a region (it records these ops itself) or another recording
             return
         self.state_ids = {id(t) for t in (*module.parameters(), *module.buffers())}
-        rec = _Recorder(st)
+        rec = _Recorder()
         rec.__enter__()
         st.recording.append(rec)
 

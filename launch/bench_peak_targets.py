@@ -15,7 +15,8 @@ the planner's state and its planned steps, the settled plan's recompute as the p
 estimates it (the roofline time it minimizes within the target), and the worst step;
 then the worst step and the least settled use (the last step's peak / target) over all. The planner measures
 step 1 at the floor, then verifies a plan per step, climbing while a step used less than
-97 % of the target, for at most 4 planned steps, and follows one plan from then on. Where
+97 % of the target (above that, only to a plan that recomputes less and is predicted to
+fit), for at most 4 planned steps, and follows one plan from then on. Where
 a settled plan uses less than 97 %, the plans one step up its frontier (one block at a
 time) are run and measured too ("next plan up"): over 1.0, none fits the target, and the
 settled plan is the cheapest that does (the shortfall is the frontier's granularity, not

@@ -353,7 +353,7 @@ class Graph(_GraphBackward):
             self._trim_chains()
         if self.has_recipes:  # Note [A recipe holds no saved value] (_history.py)
             prune_recipes(self)
-        self.map = self._entries = self.held = self.inners = None
+        self.map = self._entries = self.held = self.inners = self.rebuild = None
 
     def _trim_chains(self) -> None:
         """Note [Chains end at their last needed op]
