@@ -12,7 +12,8 @@ Note [A region rebuilds an input from its recipe]
     an outside tensor, its inputs) until the forward returns. The recipe is refused -- the
     outputs stay plain tensors, kept by the regions that read them as before -- at the
     first op that is not a pure function of its arguments: a random draw, a collective or
-    other side effect, an in-place write, an output that aliases an input undeclared, a
+    other side effect, an in-place write, an output that shares an argument's memory
+    undeclared (except its first argument's, which it records as the tracer does), a
     tensor subclass, a non-tensor result, an argument read for its shape only. An output
     made by a recorded op, not requiring grad (a tensor with a history is autograd's to
     keep), gets the recipe, per thread, while it lives and is unchanged (its version).
@@ -59,12 +60,12 @@ class _Step:
     tensor (``idx`` into :attr:`_Recipe.leaves`); ``pos`` is ``i``, ``name`` or
     ``(i or name, k)`` for a list element (as the tracer records them)."""
 
-    __slots__ = ("op", "args", "kwargs", "refs", "nout", "lists", "view_src")
+    __slots__ = ("op", "args", "kwargs", "refs", "nout", "lists", "view_src", "alias")
 
     def __init__(self, op: Any, args: tuple, kwargs: dict, refs: tuple, nout: int, lists: bool,
-                 view_src: int | None) -> None:
+                 view_src: int | None, alias: bool) -> None:
         self.op, self.args, self.kwargs, self.refs, self.nout = op, args, kwargs, refs, nout
-        self.lists, self.view_src = lists, view_src
+        self.lists, self.view_src, self.alias = lists, view_src, alias
 
 
 class _Recipe:
@@ -132,10 +133,14 @@ class _Recorder(TorchDispatchMode):
         flat = list(out) if isinstance(out, (tuple, list)) else [out]
         if not all(isinstance(o, _Tensor) for o in flat):
             return f"{func} returned something other than tensors"
+        alias = False
         if info.view_src is None and not info.fresh_output:  # Note [Aliases a schema does not declare] (_tracer.py)
             ptrs = {a.data_ptr() for a in _tensors(args, kwargs) if a.numel()}
             if any(o.numel() and o.data_ptr() in ptrs for o in flat):
-                return f"{func} returned a tensor sharing an argument's memory"
+                a0 = args[0] if args and isinstance(args[0], _Tensor) else None
+                if len(flat) != 1 or a0 is None or flat[0].data_ptr() != a0.data_ptr():
+                    return f"{func} returned a tensor sharing an argument's memory"
+                alias = True  # of its first argument (``_unsafe_view`` after a matmul), as the tracer records it
         refs: tuple = ()
         targs = list(args)
         lists = False
@@ -160,7 +165,7 @@ class _Recorder(TorchDispatchMode):
                 return f"{func} takes a tensor list by keyword"
         steps = self.recipe.steps
         n = len(steps)
-        steps.append(_Step(func, tuple(targs), tkw, refs, len(flat), lists, info.view_src))
+        steps.append(_Step(func, tuple(targs), tkw, refs, len(flat), lists, info.view_src, alias))
         for j, o in enumerate(flat):
             self.made[id(o)] = (weakref.ref(o), n, j, version_of(o))
         return None
@@ -234,6 +239,10 @@ class Rebuilder:
                 node.kwargs = dict(step.kwargs)
             if step.lists:
                 node.lists = True
+            if step.alias:  # its output shares its first argument's storage, undeclared
+                src, j0 = inputs[1], inputs[2]
+                node.alias_of = (src, j0)
+                src.aliased = True
             made[(key, s)] = node
         node = made[(key, e.step)]
         graph.map.set(t, node, e.idx, version_of(t))
