@@ -30,7 +30,7 @@ from ._plan import _plan_file
 from ._plan._peak_model import _solve, _solve_from, block_of
 from ._plan._peak_verify import _TRIES, _USE
 from ._sim import _report
-from ._sim._pipeline import Pipeline, StageStep
+from ._sim._pipeline import Pipeline, StageStep, rank_stages
 from ._sim._policies import normalize
 from ._sim._report import ModeReport, format_table
 from ._sim._run import _Recorder, _Run, _Spec, run_mode
@@ -103,8 +103,10 @@ class SimulationReport:
         tp = self.tp_size
         mesh = f" (dp {self.world_size // tp} x tp {tp})" if tp > 1 else ""
         pp = self.pipeline
-        stage = (f", pipeline stage {pp.stage} of {pp.stages} ({pp.schedule}, {pp.microbatches} microbatches a "
-                 f"step)" if pp is not None else "")
+        stage = "" if pp is None else (
+            f", pipeline stage {pp.stage} of {pp.stages} ({pp.schedule}, {pp.microbatches} microbatches a step)"
+            if len(pp.indices) == 1 else f", pipeline rank {pp.stage} of {pp.stages}, stages "
+            f"{', '.join(map(str, pp.indices))} of {pp.count} ({pp.schedule}, {pp.microbatches} microbatches a step)")
         head = (f"ac2_dist.simulate: rank {self.rank} of {self.world_size}{mesh}{stage}, recompute priced for "
                 f"{self.device}")
         table = format_table(self.modes, head, has_head=pp is None or pp.last)
@@ -438,14 +440,18 @@ def simulate(
             is priced at (default: the named device's in ``HOST_LINKS``; 50 GB/s for
             ``(FLOP/s, bytes/s)``).
         pipeline: a :class:`~ac2_dist.simulate.Pipeline` (``stages``, ``stage``,
-            ``microbatches``, ``schedule`` ``"1F1B"`` or ``"GPipe"``): simulate that
-            pipeline stage's step, its forwards and backwards in the schedule's order
-            with the microbatches it keeps in flight, as ``PipelineStage`` runs them
-            around an FSDP2 root (gradients accumulated unsharded over the microbatches,
-            reduced after the last). ``build`` builds the stage's module, ``batch`` one
+            ``microbatches``, ``schedule``, ``stages_per_rank``): simulate that pipeline
+            rank's step, its forwards and backwards in torch's schedule's order with the
+            microbatches it keeps in flight, as ``PipelineStage`` runs them around an
+            FSDP2 root (gradients accumulated unsharded over the microbatches, reduced
+            after the last; zero-bubble schedules split each backward into the input's
+            and the weights'). ``build`` builds the stage's module, ``batch`` one
             microbatch's inputs (on a stage after the first, the received activation: a
             tensor that requires grad), ``loss`` returns the loss on the last stage and
-            the stage's output on the others. ``world_size`` is then the ranks FSDP
+            the stage's output on the others; with several stages per rank ``build``
+            returns an ``nn.ModuleList`` of the rank's stages (``Pipeline.indices``'
+            order), ``batch`` a list of inputs, one per stage, and ``loss`` is called
+            per stage module. ``world_size`` is then the ranks FSDP
             shards the stage over (the data-parallel group); no ``target`` (a peak
             target's planner stays at the floor under a pipeline schedule), and no
             block-input offload figures.
@@ -534,6 +540,7 @@ def simulate(
             raise ValueError("ac2_dist.simulate: a peak target is not planned for a pipeline stage (the job's "
                              "MemoryBudget(peak=...) stays at the floor under a pipeline schedule); simulate its "
                              "modes instead")
+        build = rank_stages(build, pipeline)
     spec = _Spec(build, blocks, shard, batch, loss or _default_loss, optimizer, rates,
                  tuple(tuple(g) for g in groups), gloo=str(device).lower() == "cpu",
                  step=StageStep(pipeline, loss or _default_loss) if pipeline is not None else None)

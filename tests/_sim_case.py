@@ -14,17 +14,17 @@ BATCH, SEQ = 2, 128  # activations enough above gloo's late buffers for a target
 SAVE = [torch.ops.aten.mm.default]  # the save-list mode
 
 
-def config() -> Any:
+def config(layers: int = LAYERS) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=layers,
                        num_attention_heads=HEADS, num_key_value_heads=HEADS, attn_implementation="sdpa")
 
 
-def build() -> torch.nn.Module:
+def build(layers: int = LAYERS) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM(config()).train()
+    return LlamaForCausalLM(config(layers)).train()
 
 
 def batch() -> dict:

@@ -1,128 +1,43 @@
-"""A pipeline stage simulated (Note [A pipeline stage's step] in ac2_dist/_sim/_pipeline.py)
-against the same stage run by torch.distributed.pipelining's schedules on real gloo ranks:
-the tiny Llama of _sim_case.py cut into 2 stages, FSDP2 per block on each stage (a
-1-rank data-parallel group), 4 microbatches, no AC and full AC, each rank's peak from
-the CPU allocator's events (the lowest of four steps: Note [A measured CPU step varies
-with gloo's threads] in test_simulate.py) against the simulated stage's."""
+"""A pipeline rank simulated against the same rank run by torch.distributed.pipelining's
+schedules on real gloo ranks (tests/_pipeline_case.py says how), the schedules' orders, and
+the one-line errors of what cannot be simulated."""
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
-
 import _sim_case as case  # noqa: E402
 from _dist import run_ranks  # noqa: E402
+from _pipeline_case import (  # noqa: E402
+    LAYERS4,
+    MICROBATCHES,
+    MODES,
+    STAGES,
+    multi_simulated,
+    part_loss,
+    parts_batch,
+    real_multi_rank,
+    real_rank,
+    simulated,
+    stage_batch,
+    stage_loss,
+    stage_module,
+    stage_part,
+)
 
 from ac2_dist.simulate import Pipeline, simulate  # noqa: E402
-
-STAGES, MICROBATCHES = 2, 4
-MODES = ["none", "full"]
-
-
-def _stage(pp: Pipeline, mode: str, mesh=None) -> torch.nn.Module:
-    import ac2_dist as ac
-    from ac2_dist._sim._pipeline import HFStage
-
-    torch.manual_seed(0)
-    stage = HFStage(case.build(), pp)
-    if mode == "full":
-        ac.apply_ac(stage, "recompute_all", modules=[case.block_type()])
-    return stage
-
-
-def _batch(pp: Pipeline) -> dict:
-    ids = torch.randint(0, case.VOCAB, (case.BATCH, case.SEQ))
-    x = ids if pp.first else torch.randn(case.BATCH, case.SEQ, case.HIDDEN, requires_grad=True)
-    return {"x": x, "labels": ids}
-
-
-def _loss(pp: Pipeline):
-    def loss(model, b):
-        out = model(b["x"])
-        return model.loss(out, b["labels"]) if pp.last else out
-
-    return loss
-
-
-def simulated(stage: int, schedule: str = "1F1B") -> dict:
-    pp = Pipeline(STAGES, stage, MICROBATCHES, schedule)
-    out = {}
-    for mode in MODES:
-        r = simulate(lambda: _stage(pp, "none"), batch=lambda: _batch(pp), blocks=[case.block_type()],
-                     world_size=1, modes=[mode], device="cpu", loss=_loss(pp), pipeline=pp)
-        out[mode] = r.modes[0]
-    return out
-
-
-def _stage_buffers(stage) -> int:
-    """Bytes of the pipeline stage's receive buffers (activations and gradients): kept
-    between steps, so alive when a step begins."""
-    seen: dict[int, int] = {}
-    for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
-        for info in infos:
-            buf = getattr(info, "buffer", None)
-            if isinstance(buf, torch.Tensor):
-                st = buf.untyped_storage()
-                seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
-
-
-def _real_rank(rank: int, world: int, schedule: str) -> dict:
-    from bench_simulate import alive
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    from ac2_dist._measure._alloc import AllocationTrace
-
-    mesh = init_device_mesh("cpu", (STAGES, 1), mesh_dim_names=("pp", "dp"))
-    pp = Pipeline(STAGES, rank, MICROBATCHES, schedule)
-    out = {}
-    for mode in MODES:
-        module = _stage(pp, mode)
-        for layer in module.model.model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(module, mesh=mesh["dp"])
-        opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
-        stage = PipelineStage(module, rank, STAGES, torch.device("cpu"), group=mesh["pp"].get_group())
-        kind = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[schedule]
-        sched = kind(stage, n_microbatches=MICROBATCHES, loss_fn=module.loss)
-        ids = torch.randint(0, case.VOCAB, (MICROBATCHES * case.BATCH, case.SEQ),
-                            generator=torch.Generator().manual_seed(1))
-
-        def step(sched=sched, opt=opt, ids=ids):
-            if pp.first:
-                sched.step(ids, return_outputs=False)
-            else:
-                sched.step(target=ids, losses=[], return_outputs=False)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        step()  # the optimizer's states and the stage's receive buffers
-        peaks = []
-        for _ in range(4):
-            start = alive(module, opt, {"ids": ids}) + _stage_buffers(stage)
-            with AllocationTrace() as trace:
-                step()
-            peaks.append(start + trace.whole.peak_bytes)
-        out[mode] = {"peak": min(peaks), "peaks": peaks}
-        del sched, stage, module, opt
-    return out
 
 
 @pytest.fixture(scope="module", params=["1F1B", "GPipe"])
 def both(request):
     schedule = request.param
     sim = [simulated(s, schedule) for s in range(STAGES)]
-    real = run_ranks(_real_rank, schedule, world=STAGES)
+    real = run_ranks(real_rank, schedule, world=STAGES)
     return schedule, sim, real
 
 
@@ -135,30 +50,96 @@ def test_stage_peak_within_2_percent_of_the_real_schedule(both, stage, mode):
                                                                                  sim[stage][mode].peak_bytes, got)
 
 
+# Note [Several stages per rank] (ac2_dist/_sim/_pipeline.py): two ranks of 2 stages each (the
+# tiny Llama with 4 layers), checked against torch's runtime on 2 gloo ranks. InterleavedZeroBubble
+# (looped placement, split backward) and DualPipeV (V placement, a stage's neighbour on the same
+# rank, overlapped forward/backward pairs) in the suite; every schedule in launch/bench_pipeline.py.
+MULTI = ["InterleavedZeroBubble", "DualPipeV"]
+
+
+@pytest.fixture(scope="module", params=MULTI)
+def multi(request):
+    schedule = request.param
+    sim = [multi_simulated(r, schedule) for r in range(STAGES)]
+    real = run_ranks(real_multi_rank, schedule, world=STAGES)
+    return schedule, sim, real
+
+
+@pytest.mark.parametrize("rank", range(STAGES))
+@pytest.mark.parametrize("mode", MODES)
+def test_rank_of_a_multi_stage_schedule_within_2_percent(multi, rank, mode):
+    schedule, sim, real = multi
+    got = real[rank]["peak"][mode]
+    assert sim[rank][mode] == pytest.approx(got["peak"], rel=0.02), (schedule, rank, mode, sim[rank][mode], got)
+
+
+@pytest.mark.parametrize("rank", range(STAGES))
+def test_full_ac_gradients_under_a_multi_stage_schedule_are_no_acs(multi, rank):
+    """torch's zero-bubble split backward (``I`` keeps the graph, ``W`` runs the weights'
+    part) and DualPipeV's overlapped pairs under full AC: every stage's gradients
+    bitwise those of the same schedule without AC."""
+    schedule, _sim, real = multi
+    grads = real[rank]["grads"]
+    assert grads["same_keys"] and grads["count"] > 0 and not grads["differ"], (schedule, rank, grads)
+
+
 def test_schedule_orders_mirror_torchs():
     """1F1B: ``stages - stage`` forwards first (all of them on a stage that has fewer
-    microbatches), then a backward and a forward in turn; GPipe: every forward first."""
+    microbatches), then a backward and a forward in turn; GPipe: every forward first.
+    The multi-stage schedules: torch's own order for the rank, with the runtime's
+    unshard / reshard / gradient reduction of each stage."""
     from ac2_dist._sim._pipeline import actions
 
-    assert actions(Pipeline(2, 0, 4)) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2),
-                                          ("B", 3)]
-    assert actions(Pipeline(2, 1, 4)) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3),
-                                          ("B", 3)]
-    assert actions(Pipeline(4, 0, 2)) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
-    assert actions(Pipeline(2, 1, 3, "GPipe")) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
+    def fb(p):
+        return [(kind, i) for kind, _, i in actions(p)]
+
+    assert fb(Pipeline(2, 0, 4)) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
+    assert fb(Pipeline(2, 1, 4)) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]
+    assert fb(Pipeline(4, 0, 2)) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    assert fb(Pipeline(2, 1, 3, "GPipe")) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
+    # LoopedBFS on rank 0 of 2 (stages 0 and 2): each stage's forwards, then stage 2's backwards
+    # (last microbatch first), its reduction, then stage 0's
+    looped = Pipeline(2, 0, 2, "LoopedBFS")
+    assert looped.indices == (0, 2) and not looped.last
+    compute = [a for a in actions(looped) if a[0] in "FBG"]
+    assert compute == [("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1), ("B", 1, 1), ("B", 1, 0), ("G", 1, 0),
+                       ("B", 0, 1), ("B", 0, 0), ("G", 0, 0)], compute
+    # zero-bubble: every microbatch's backward split into I and W, each W after its I
+    zb = actions(Pipeline(2, 1, 4, "ZBVZeroBubble"))
+    assert Pipeline(2, 1, 4, "ZBVZeroBubble").indices == (1, 2)
+    for k in range(2):
+        for i in range(4):
+            done = [a[0] for a in zb if a[0] in "FIW" and a[1:] == (k, i)]
+            assert done == ["F", "I", "W"], (k, i, done)
+
+
+def test_bad_multi_stage_pipelines_are_one_line_errors():
+    with pytest.raises(ValueError, match=r"the ZBVZeroBubble schedule runs 2 stages per rank, got stages_per_rank=3"):
+        Pipeline(2, 0, 4, "ZBVZeroBubble", 3)
+    with pytest.raises(ValueError, match=r"the 1F1B schedule runs 1 stage per rank, got stages_per_rank=2"):
+        Pipeline(2, 0, 4, "1F1B", 2)
+    with pytest.raises(ValueError, match=r"stages_per_rank must be a positive int, got 0"):
+        Pipeline(2, 0, 4, "Interleaved1F1B", 0)
+    with pytest.raises(ValueError, match=r"torch's ScheduleDualPipeV refuses 1 microbatches on 2 ranks x 2 stages: "
+                                         r"DualPipeV requires at least as many microbatches as stages"):
+        Pipeline(2, 0, 1, "DualPipeV")
+    pp = Pipeline(2, 0, 4, "InterleavedZeroBubble")
+    with pytest.raises(ValueError, match=r"build\(\) must return an nn.ModuleList of the rank's 2 stage modules"):
+        simulate(lambda: stage_part(pp, 0, "none"), batch=lambda: parts_batch(pp), blocks=[case.block_type()],
+                 world_size=1, device="cpu", loss=part_loss, pipeline=pp)
 
 
 def test_bad_pipelines_are_one_line_errors():
     with pytest.raises(ValueError, match=r"pipeline stage must be in \[0, 2\), got 2"):
         Pipeline(2, 2, 4)
-    with pytest.raises(ValueError, match=r"schedule must be one of 1F1B, GPipe, got 'Interleaved1F1B'"):
-        Pipeline(2, 0, 4, "Interleaved1F1B")
+    with pytest.raises(ValueError, match=r"schedule must be one of 1F1B, GPipe, Interleaved1F1B, .*, got '1f1b'"):
+        Pipeline(2, 0, 4, "1f1b")
     with pytest.raises(ValueError, match=r"microbatches must be a positive int, got 0"):
         Pipeline(2, 0, 0)
     pp = Pipeline(2, 0, 4)
     with pytest.raises(ValueError, match=r"a peak target is not planned for a pipeline stage"):
-        simulate(lambda: _stage(pp, "none"), batch=lambda: _batch(pp), blocks=[case.block_type()], world_size=1,
-                 device="cpu", loss=_loss(pp), pipeline=pp, target="1GiB")
+        simulate(lambda: stage_module(pp, "none"), batch=lambda: stage_batch(pp), blocks=[case.block_type()],
+                 world_size=1, device="cpu", loss=stage_loss(pp), pipeline=pp, target="1GiB")
 
 
 def test_cli_simulates_a_stage_of_a_hugging_face_model(tmp_path, capsys):
@@ -183,9 +164,43 @@ def test_cli_simulates_a_stage_of_a_hugging_face_model(tmp_path, capsys):
     for extra, match in ((["--world-size", "4", "--pp", "3"], r"--pp 3 must be >= 1 and divide --world-size 4"),
                          (["--world-size", "4", "--pp", "2", "--pp-stage", "2"], r"stage must be in \[0, 2\)"),
                          (["--world-size", "4", "--pp", "2", "--target", "1GiB"], r"--target is not simulated"),
-                         (["--world-size", "4", "--pp-stage", "1"], r"--pp-stage and --microbatches need --pp"),
+                         (["--world-size", "4", "--pp-stage", "1"],
+                          r"--pp-stage, --microbatches and --stages-per-rank need --pp"),
                          (["--world-size", "4", "--pp", "2", "--rank", "2"], r"--rank 2: .* in \[0, 2\)"),
                          (["--world-size", "4", "--pp", "4"], r"4 pipeline stages for 3 layers")):
         assert _main([*common, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and re.search(match, err), (extra, err)
+
+
+def test_cli_simulates_a_rank_of_a_multi_stage_schedule(tmp_path, capsys):
+    """``--schedule InterleavedZeroBubble``: the rank's two stages cut from the config's
+    model, the same figure as the Python API's, and a one-line error for what cannot be
+    cut or given."""
+    import json
+
+    from ac2_dist.simulate import _main
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "vocab_size": case.VOCAB, "hidden_size": case.HIDDEN,
+                               "intermediate_size": case.INTER, "num_hidden_layers": LAYERS4,
+                               "num_attention_heads": case.HEADS, "num_key_value_heads": case.HEADS}))
+    common = ["--hf-config", str(cfg), "--batch", str(case.BATCH), "--seq", str(case.SEQ), "--device", "cpu"]
+    assert _main([*common, "--world-size", "2", "--pp", "2", "--pp-stage", "1", "--microbatches",
+                  str(MICROBATCHES), "--schedule", "InterleavedZeroBubble", "--modes", "none"]) == 0
+    out = capsys.readouterr().out
+    assert ("rank 0 of 1, pipeline rank 1 of 2, stages 1, 3 of 4 (InterleavedZeroBubble, 4 microbatches a step)"
+            in out), out
+    pp = Pipeline(STAGES, 1, MICROBATCHES, "InterleavedZeroBubble")
+    api = simulate(lambda: torch.nn.ModuleList([stage_part(pp, i, "none") for i in pp.indices]),
+                   batch=lambda: parts_batch(pp), blocks=[case.block_type()], world_size=1, modes=["none"],
+                   device="cpu", loss=part_loss, pipeline=pp).modes[0].peak_bytes
+    assert f"{api / 2**20:.1f} MiB" in out.splitlines()[3], (out, api)
+    for extra, match in ((["--stages-per-rank", "2"], r"--pp-stage, --microbatches and --stages-per-rank need --pp"),
+                         (["--pp", "2", "--schedule", "ZBVZeroBubble", "--stages-per-rank", "3"],
+                          r"the ZBVZeroBubble schedule runs 2 stages per rank, got stages_per_rank=3"),
+                         (["--pp", "2", "--schedule", "LoopedBFS", "--stages-per-rank", "3"],
+                          r"6 pipeline stages for 4 layers: each stage needs one")):
+        assert _main([*common, "--world-size", "2", *extra]) == 2, extra
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and re.search(match, err), (extra, err)

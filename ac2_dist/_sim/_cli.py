@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .._sizes import parse_size
+from ._pipeline import SCHEDULES
 
 __all__: list[str] = []
 
@@ -60,9 +61,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=None,
                    help="pipeline parallelism: this many stages (--hf-config, Llama-style models); --world-size counts "
                         "every rank, --batch is a microbatch")
-    p.add_argument("--pp-stage", type=int, default=0, help="the pipeline stage simulated (0 .. --pp - 1)")
+    p.add_argument("--pp-stage", type=int, default=0,
+                   help="the pipeline rank simulated (0 .. --pp - 1): its stage, or its stages under a schedule with "
+                        "several per rank")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: --pp)")
-    p.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe"], help="the pipeline schedule")
+    p.add_argument("--schedule", default="1F1B", choices=list(SCHEDULES),
+                   help="the pipeline schedule (torch.distributed.pipelining's Schedule<name>)")
+    p.add_argument("--stages-per-rank", type=int, default=None,
+                   help="pipeline stages on each rank (default 1 for 1F1B and GPipe, 2 for the others): the model is "
+                        "cut into --pp x this many stages")
     p.add_argument("--head", action="store_true",
                    help="also checkpoint the final norm and the LM head as one region (hf.enable(head=True))")
     p.add_argument("--blocks", default=None, help="comma-separated class names of the blocks to checkpoint "
@@ -293,8 +300,8 @@ def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
 def _pipeline(args: argparse.Namespace) -> tuple[Any, int]:
     """``--pp``'s stage and the ranks one stage is sharded over (``--world-size / --pp``)."""
     if args.pp is None:
-        if args.microbatches is not None or args.pp_stage:
-            raise _Refused("--pp-stage and --microbatches need --pp")
+        if args.microbatches is not None or args.pp_stage or args.stages_per_rank is not None:
+            raise _Refused("--pp-stage, --microbatches and --stages-per-rank need --pp")
         return None, args.world_size
     from ._pipeline import Pipeline
 
@@ -307,7 +314,8 @@ def _pipeline(args: argparse.Namespace) -> tuple[Any, int]:
         raise _Refused(f"--pp: {'--head' if args.head else '--target'} is not simulated for a pipeline stage "
                        "(the job's peak-target planner stays at the floor under a pipeline schedule)")
     try:
-        pipeline = Pipeline(args.pp, args.pp_stage, args.microbatches or args.pp, args.schedule)
+        pipeline = Pipeline(args.pp, args.pp_stage, args.microbatches or args.pp, args.schedule,
+                            args.stages_per_rank)
     except ValueError as e:
         raise _Refused(str(e).removeprefix("ac2_dist.simulate: ")) from e
     world = args.world_size // args.pp
@@ -318,15 +326,16 @@ def _pipeline(args: argparse.Namespace) -> tuple[Any, int]:
 
 
 def _stage(build: Callable[[], nn.Module], config: Any, pipeline: Any, args: argparse.Namespace,
-           dtype: torch.dtype) -> tuple[Callable[[], nn.Module], Callable[[], dict], Callable[..., torch.Tensor]]:
+           dtype: torch.dtype) -> tuple[Callable[[], nn.Module], Callable[[], Any], Callable[..., torch.Tensor]]:
     """The stage's module, one microbatch's inputs (token ids on the first stage, the
     received hidden state, in the dtype the blocks compute in, on the others) and its loss
     (the logits' on the last stage, the output on the others)."""
     from ._pipeline import HFStage
 
+    several = len(pipeline.indices) > 1
     try:
         with torch.device("meta"):
-            HFStage(build(), pipeline)
+            HFStage(build(), pipeline, pipeline.indices[0])
     except ValueError as e:
         raise _Refused(str(e).removeprefix("ac2_dist.simulate: ")) from e
     vocab, hidden = config.vocab_size, config.hidden_size
@@ -334,16 +343,19 @@ def _stage(build: Callable[[], nn.Module], config: Any, pipeline: Any, args: arg
     b, s = args.batch, args.seq
 
     def stage() -> nn.Module:
-        return HFStage(build(), pipeline)
+        # Note [Several stages per rank] (_sim/_pipeline.py): a list of the rank's stages
+        parts = [HFStage(build(), pipeline, i) for i in pipeline.indices]
+        return nn.ModuleList(parts) if several else parts[0]
 
-    def batch() -> dict:
+    def batch() -> Any:
         ids = torch.randint(0, vocab, (b, s))
-        x = ids if pipeline.first else torch.empty(b, s, hidden, dtype=act_dtype, requires_grad=True)
-        return {"x": x, "labels": ids}
+        inputs = [{"x": ids if i == 0 else torch.empty(b, s, hidden, dtype=act_dtype, requires_grad=True),
+                   "labels": ids} for i in pipeline.indices]
+        return inputs if several else inputs[0]
 
     def loss(model: nn.Module, mb: dict) -> torch.Tensor:
         out = model(mb["x"])
-        return model.loss(out, mb["labels"]) if pipeline.last else out
+        return model.loss(out, mb["labels"]) if model.last else out
 
     return stage, batch, loss
 

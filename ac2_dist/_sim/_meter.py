@@ -134,6 +134,25 @@ def make_meter(model: nn.Module, optimizer: torch.optim.Optimizer | None, blocks
                 super().__init__()
             self.ac2 = _Marks(blocks)
 
+        def forget(self, module: nn.Module) -> None:
+            """Forget ``module``'s and its submodules' previous call (torch's tracker
+            refuses a module called twice in one step): before each microbatch's forward
+            of a pipeline stage, the other stages' calls kept for their backwards."""
+            for m in module.modules():
+                self.memory_tracking.pop(m, None)
+
+        def leave_inputs_unwatched(self) -> None:
+            """Stop torch's module tracker from hooking each module's inputs' gradients
+            (Note [Several stages per rank] in _pipeline.py): the hook holds the inputs'
+            autograd nodes, which keeps a graph alive that a zero-bubble ``W`` runs only
+            in part. Only the per-module statistics lose the inputs."""
+            tracker = getattr(self, "_mod_tracker", None)
+            hook = getattr(type(tracker), "_fw_pre_hook", None)
+            if tracker is None or hook is None:
+                raise RuntimeError("ac2_dist.simulate: this torch's memory tracker has no module tracker pre-forward "
+                                   "hook to adapt; zero-bubble schedules cannot be simulated with it")
+            tracker._fw_pre_hook = lambda mod, _inputs: hook(tracker, mod, ())
+
         def begin_step(self) -> None:
             marks = self.ac2
             marks.start = self.total()

@@ -53,7 +53,7 @@ class _Spec:
     gloo: bool = False  # a CPU job: count gloo's own buffers (Note [gloo's buffers of its own] in _world.py)
     # a pipeline stage's step (Note [A pipeline stage's step] in _pipeline.py): runs the
     # schedule's forwards and backwards; None: one forward of ``loss`` and its backward
-    step: Callable[[nn.Module, Any, Callable[[], None]], None] | None = None
+    step: Callable[[nn.Module, Any, Callable[[nn.Module], None]], None] | None = None
 
 
 @dataclass
@@ -177,6 +177,8 @@ def run_mode(spec: _Spec, policy: Any, factory: Any = None, count_replays: bool 
         opt = spec.optimizer(model.parameters()) if spec.optimizer is not None else None
         meter = make_meter(model, opt, _tracker_names(model, fqns))
         meter_ref.append(meter)
+        if getattr(spec.step, "splits_backward", False):  # Note [Several stages per rank] (_pipeline.py)
+            meter.leave_inputs_unwatched()
         meter.track_external(*[t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)])
         replays = _ReplayCost(spec.rates) if count_replays else None
         for step in range(2):
@@ -187,7 +189,7 @@ def run_mode(spec: _Spec, policy: Any, factory: Any = None, count_replays: bool 
                     if recorder is not None:
                         recorder.meter, recorder.order = meter, list(fqns)
                 if spec.step is not None:
-                    spec.step(model, batch, meter.reset_mod_stats)
+                    spec.step(model, batch, meter.forget)
                 else:
                     loss = spec.loss(model, batch)
                     loss.backward()

@@ -185,10 +185,12 @@ def per_block_shard(blocks: Any, world_size: int, shard_size: int | None, param_
     the last block's is False, torchtitan's choice). With ``tp_size``: a
     ``(world_size / tp_size, tp_size)`` mesh ``("dp", "tp")``; each block is first
     parallelized over ``"tp"`` with ``tp_plan`` (torch's ``parallelize_module``), then
-    sharded over ``"dp"``, in torchtitan's order."""
+    sharded over ``"dp"``, in torchtitan's order. A :class:`RankStages` model is a
+    pipeline rank's stages: each is sharded as a root of its own, then the container."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from .._modules import _select
+    from ._pipeline import RankStages
 
     def shard(model: nn.Module) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -217,6 +219,9 @@ def per_block_shard(blocks: Any, world_size: int, shard_size: int | None, param_
         for k, (_, m) in enumerate(selected):
             reshard = reshard_after_forward if reshard_after_forward != "all-but-last" else k < len(selected) - 1
             fully_shard(m, reshard_after_forward=reshard, **kwargs)
+        if isinstance(model, RankStages):  # a pipeline rank's stages: each a root of its own
+            for stage in model.stages:     # (Note [Several stages per rank] in _pipeline.py)
+                fully_shard(stage, **kwargs)
         fully_shard(model, **kwargs)
 
     return shard
