@@ -43,18 +43,18 @@ def both(request):
 
 @pytest.mark.parametrize("stage", range(STAGES))
 @pytest.mark.parametrize("mode", MODES)
-def test_stage_peak_within_2_percent_of_the_real_schedule(both, stage, mode):
+def test_stage_peak_within_1_percent_of_the_real_schedule(both, stage, mode):
     schedule, sim, real = both
     got = real[stage][mode]
-    assert sim[stage][mode].peak_bytes == pytest.approx(got["peak"], rel=0.02), (schedule, stage, mode,
+    assert sim[stage][mode].peak_bytes == pytest.approx(got["peak"], rel=0.01), (schedule, stage, mode,
                                                                                  sim[stage][mode].peak_bytes, got)
 
 
 # Note [Several stages per rank] (ac2_dist/_sim/_pipeline.py): two ranks of 2 stages each (the
-# tiny Llama with 4 layers), checked against torch's runtime on 2 gloo ranks. InterleavedZeroBubble
-# (looped placement, split backward) and DualPipeV (V placement, a stage's neighbour on the same
-# rank, overlapped forward/backward pairs) in the suite; every schedule in launch/bench_pipeline.py.
-MULTI = ["InterleavedZeroBubble", "DualPipeV"]
+# tiny Llama with 4 layers), checked against torch's runtime on 2 gloo ranks. DualPipeV in the
+# suite (V placement, a stage's neighbour on the same rank, overlapped forward/backward pairs,
+# full and split backwards); every schedule in launch/bench_pipeline.py (CI's time).
+MULTI = ["DualPipeV"]
 
 
 @pytest.fixture(scope="module", params=MULTI)
@@ -67,16 +67,16 @@ def multi(request):
 
 @pytest.mark.parametrize("rank", range(STAGES))
 @pytest.mark.parametrize("mode", MODES)
-def test_rank_of_a_multi_stage_schedule_within_2_percent(multi, rank, mode):
+def test_rank_of_a_multi_stage_schedule_within_1_percent(multi, rank, mode):
     schedule, sim, real = multi
     got = real[rank]["peak"][mode]
-    assert sim[rank][mode] == pytest.approx(got["peak"], rel=0.02), (schedule, rank, mode, sim[rank][mode], got)
+    assert sim[rank][mode] == pytest.approx(got["peak"], rel=0.01), (schedule, rank, mode, sim[rank][mode], got)
 
 
 @pytest.mark.parametrize("rank", range(STAGES))
 def test_full_ac_gradients_under_a_multi_stage_schedule_are_no_acs(multi, rank):
-    """torch's zero-bubble split backward (``I`` keeps the graph, ``W`` runs the weights'
-    part) and DualPipeV's overlapped pairs under full AC: every stage's gradients
+    """DualPipeV's full backwards, overlapped pairs and zero-bubble split backwards (``I``
+    keeps the graph, ``W`` runs the weights' part) under full AC: every stage's gradients
     bitwise those of the same schedule without AC."""
     schedule, _sim, real = multi
     grads = real[rank]["grads"]

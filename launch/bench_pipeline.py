@@ -1,0 +1,110 @@
+"""ac2_dist.simulate's pipeline ranks against torch.distributed.pipelining's schedules run on
+real gloo ranks: the predicted-vs-measured table per schedule.
+
+    python launch/bench_pipeline.py                                   # every schedule
+    python launch/bench_pipeline.py --schedules 1F1B,InterleavedZeroBubble --json out.json
+
+The tiny Llama of tests/_sim_case.py (built with ``from_config``: nothing is downloaded) on
+2 pipeline ranks, 4 microbatches of 2 x 128 a step, FSDP2 per block and per stage (a 1-rank
+data-parallel group), AdamW: 1F1B and GPipe with one stage a rank (3 layers), the
+multi-stage schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble,
+DualPipeV) with two (4 layers, one a stage). Each rank's step simulated by
+``ac2_dist.simulate(..., pipeline=Pipeline(...))`` and the same rank run by torch's
+``PipelineStage`` and schedule, no AC and full AC (tests/_pipeline_case.py says how).
+
+Measured independently of ac2's reports: the peak is the bytes of every storage alive when
+the step began (parameter shards, optimizer states, the batch, the stages' receive buffers)
+plus the CPU allocator's peak above them during the step (allocator events), the lowest of
+four steps. Also reported for the multi-stage schedules: whether every gradient under full
+AC equals the same schedule's without AC, bitwise (a run without FSDP: under FSDP2 torch's
+split backward computes no gradient for a middle stage's weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+from bench_common import write_json  # noqa: E402
+
+SINGLE = ["1F1B", "GPipe"]
+MULTI = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+
+
+def run(schedule: str) -> dict:
+    """Simulated and measured peaks of both ranks under ``schedule``, no AC and full AC."""
+    import _pipeline_case as pc
+    from _dist import run_ranks
+
+    t0 = time.perf_counter()
+    if schedule in SINGLE:
+        sim = [{m: r.peak_bytes for m, r in pc.simulated(s, schedule).items()} for s in range(pc.STAGES)]
+        t1 = time.perf_counter()
+        real = [{m: v["peak"] for m, v in rank.items()} for rank in run_ranks(pc.real_rank, schedule,
+                                                                               world=pc.STAGES)]
+        grads = None
+    else:
+        sim = [pc.multi_simulated(r, schedule) for r in range(pc.STAGES)]
+        t1 = time.perf_counter()
+        got = run_ranks(pc.real_multi_rank, schedule, world=pc.STAGES)
+        real = [{m: v["peak"] for m, v in rank["peak"].items()} for rank in got]
+        grads = [rank["grads"] for rank in got]
+    rows = [{"rank": r, "mode": m, "simulated": sim[r][m], "measured": real[r][m],
+             "error": sim[r][m] / real[r][m] - 1} for r in range(pc.STAGES) for m in pc.MODES]
+    return {"schedule": schedule, "rows": rows, "grads": grads, "simulate_s": t1 - t0,
+            "real_s": time.perf_counter() - t1}
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| schedule | rank | mode | simulated, B | measured, B | simulated / measured - 1 |",
+             "|---|---:|---|---:|---:|---:|"]
+    for res in results:
+        for row in res["rows"]:
+            lines.append(f"| {res['schedule']} | {row['rank']} | {'no AC' if row['mode'] == 'none' else 'full AC'} "
+                         f"| {row['simulated']:,} | {row['measured']:,} | {row['error']:+.2%} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--schedules", default=",".join(SINGLE + MULTI))
+    ap.add_argument("--json", default=None, help="write the results here (and a .md beside it)")
+    args = ap.parse_args(argv)
+    wanted = [s for s in args.schedules.split(",") if s]
+    unknown = [s for s in wanted if s not in SINGLE + MULTI]
+    if unknown:
+        ap.error(f"--schedules: {unknown[0]!r} is not one of {', '.join(SINGLE + MULTI)}")
+    results = []
+    for schedule in wanted:
+        res = run(schedule)
+        results.append(res)
+        worst = max(abs(r["error"]) for r in res["rows"])
+        same = "" if res["grads"] is None else ", full-AC gradients bitwise no AC's: " + (
+            "yes" if all(g["same_keys"] and g["count"] and not g["differ"] for g in res["grads"]) else "NO")
+        print(f"{schedule}: worst |error| {worst:.2%}{same} (simulate {res['simulate_s']:.0f} s, "
+              f"real {res['real_s']:.0f} s)", flush=True)
+    md = table(results)
+    print(md)
+    worst = max(abs(r["error"]) for res in results for r in res["rows"])
+    print(f"every rank and mode within {worst:.2%}")
+    out = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version(),
+           "machine": platform.machine(), "results": results, "worst_error": worst}
+    write_json(args.json, out)
+    if args.json:
+        with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
+            f.write(f"# bench_pipeline {out['date']} (torch {out['torch']})\n\n`python launch/bench_pipeline.py "
+                    f"--schedules {','.join(wanted)}`\n\n{md}\n\nevery rank and mode within {worst:.2%}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
