@@ -16,8 +16,9 @@ Measured independently of ac2's reports: the peak is the bytes of every storage 
 the step began (parameter shards, optimizer states, the batch, the stages' receive buffers)
 plus the CPU allocator's peak above them during the step (allocator events), the lowest of
 four steps. Also reported for the multi-stage schedules: whether every gradient under full
-AC equals the same schedule's without AC, bitwise (a run without FSDP: under FSDP2 torch's
-split backward computes no gradient for a middle stage's weights).
+AC equals the same schedule's without AC, bitwise (a run without FSDP: under FSDP2 with
+``reshard_after_forward=True`` torch's split backward computes no gradient for a middle
+stage's weights).
 """
 
 from __future__ import annotations
@@ -27,41 +28,14 @@ import datetime
 import os
 import platform
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
+from _pipeline_case import MULTI, SINGLE, compare  # noqa: E402
 from bench_common import write_json  # noqa: E402
-
-SINGLE = ["1F1B", "GPipe"]
-MULTI = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
-
-
-def run(schedule: str) -> dict:
-    """Simulated and measured peaks of both ranks under ``schedule``, no AC and full AC."""
-    import _pipeline_case as pc
-    from _dist import run_ranks
-
-    t0 = time.perf_counter()
-    if schedule in SINGLE:
-        sim = [{m: r.peak_bytes for m, r in pc.simulated(s, schedule).items()} for s in range(pc.STAGES)]
-        t1 = time.perf_counter()
-        real = [{m: v["peak"] for m, v in rank.items()} for rank in run_ranks(pc.real_rank, schedule,
-                                                                               world=pc.STAGES)]
-        grads = None
-    else:
-        sim = [pc.multi_simulated(r, schedule) for r in range(pc.STAGES)]
-        t1 = time.perf_counter()
-        got = run_ranks(pc.real_multi_rank, schedule, world=pc.STAGES)
-        real = [{m: v["peak"] for m, v in rank["peak"].items()} for rank in got]
-        grads = [rank["grads"] for rank in got]
-    rows = [{"rank": r, "mode": m, "simulated": sim[r][m], "measured": real[r][m],
-             "error": sim[r][m] / real[r][m] - 1} for r in range(pc.STAGES) for m in pc.MODES]
-    return {"schedule": schedule, "rows": rows, "grads": grads, "simulate_s": t1 - t0,
-            "real_s": time.perf_counter() - t1}
 
 
 def table(results: list[dict]) -> str:
@@ -85,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--schedules: {unknown[0]!r} is not one of {', '.join(SINGLE + MULTI)}")
     results = []
     for schedule in wanted:
-        res = run(schedule)
+        res = compare(schedule)
         results.append(res)
         worst = max(abs(r["error"]) for r in res["rows"])
         same = "" if res["grads"] is None else ", full-AC gradients bitwise no AC's: " + (

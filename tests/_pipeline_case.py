@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 
@@ -21,6 +22,8 @@ import _sim_case as case  # noqa: E402
 from ac2_dist.simulate import Pipeline, simulate  # noqa: E402
 
 STAGES, MICROBATCHES = 2, 4
+SINGLE = ["1F1B", "GPipe"]
+MULTI = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 MODES = ["none", "full"]
 #: The multi-stage schedules' tests run on a 4-layer model (2 ranks x 2 stages).
 
@@ -210,3 +213,28 @@ def real_multi_rank(rank: int, world: int, schedule: str) -> dict:
     out["grads"] = {"count": len(none), "same_keys": none.keys() == full.keys(),
                     "differ": [str(k) for k in none if k in full and not torch.equal(none[k], full[k])]}
     return out
+
+
+def compare(schedule: str) -> dict:
+    """Simulated and measured peaks of both ranks under ``schedule``, no AC and full AC
+    (``rows``: rank, mode, simulated, measured, error), and under a multi-stage schedule
+    whether full AC's gradients equal no AC's (``grads``, per rank; None otherwise)."""
+    from _dist import run_ranks
+
+    t0 = time.perf_counter()
+    if schedule in SINGLE:
+        sim = [{m: r.peak_bytes for m, r in simulated(s, schedule).items()} for s in range(STAGES)]
+        t1 = time.perf_counter()
+        real = [{m: v["peak"] for m, v in rank.items()} for rank in run_ranks(real_rank, schedule,
+                                                                               world=STAGES)]
+        grads = None
+    else:
+        sim = [multi_simulated(r, schedule) for r in range(STAGES)]
+        t1 = time.perf_counter()
+        got = run_ranks(real_multi_rank, schedule, world=STAGES)
+        real = [{m: v["peak"] for m, v in rank["peak"].items()} for rank in got]
+        grads = [rank["grads"] for rank in got]
+    rows = [{"rank": r, "mode": m, "simulated": sim[r][m], "measured": real[r][m],
+             "error": sim[r][m] / real[r][m] - 1} for r in range(STAGES) for m in MODES]
+    return {"schedule": schedule, "rows": rows, "grads": grads, "simulate_s": t1 - t0,
+            "real_s": time.perf_counter() - t1}

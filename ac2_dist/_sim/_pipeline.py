@@ -86,12 +86,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..fsdp import finish_pipelined_backward, pipelined_backward
-
-try:
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # torch without FSDP2
-    FSDPModule = ()  # type: ignore[assignment, misc]
+from ..fsdp import finish_pipelined_backward, is_fsdp_unit, pipelined_backward
 
 __all__ = ["HFStage", "Pipeline", "RankStages", "SCHEDULES", "StageStep", "actions", "rank_stages"]
 
@@ -267,9 +262,10 @@ class StageStep:
     stage's module, or with several stages per rank a :class:`RankStages`, ``batch`` one
     microbatch's inputs (a list: one per stage). ``forward(module, inputs)`` returns the
     loss on the last stage and the stage's output on the others; a tensor of ``inputs``
-    that requires grad is the received activation. ``before_forward(stage)`` is called before each microbatch's
-    forward (the meter forgets the stage's modules' previous call there: torch's FSDP
-    memory tracker refuses a module called twice in one step otherwise)."""
+    that requires grad is the received activation. ``before_forward(stage)`` is called
+    before each microbatch's forward (the meter forgets the stage's modules' previous call
+    there: torch's FSDP memory tracker refuses a module called twice in one step
+    otherwise)."""
 
     def __init__(self, pipeline: Pipeline, forward: Callable[[nn.Module, Any], torch.Tensor]) -> None:
         self.pipeline = pipeline
@@ -364,11 +360,8 @@ def _runtime(kind: str, module: nn.Module) -> None:
         finish_pipelined_backward(module)
         return
     for unit in module.modules():
-        if isinstance(unit, FSDPModule):
-            if kind == "U":
-                unit.unshard()
-            else:
-                unit.reshard()
+        if is_fsdp_unit(unit):
+            getattr(unit, "unshard" if kind == "U" else "reshard")()
 
 
 def _inputs(module: nn.Module, first: bool, out: torch.Tensor, grad: torch.Tensor | None, inputs: Any
