@@ -86,6 +86,29 @@ def _measured_step(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict) 
     return start, start + trace.whole.peak_bytes
 
 
+def off_thread_frees(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict) -> list[int]:
+    """One training step under the profiler: the sizes of the blocks a thread other than
+    the step's own freed (gloo's worker threads: Note [Collective buffers gloo frees late]
+    in ac2_dist/_plan/_late_buffers.py)."""
+    from bench_simulate import train_step
+    from torch._C._profiler import _ExtraFields_Allocation
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        train_step(model, opt, b)
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if isinstance(e.extra_fields, _ExtraFields_Allocation) and e.extra_fields.device.type == "cpu":
+            events.append((e.start_tid, e.extra_fields.alloc_size))
+    counts: dict[int, int] = {}
+    for tid, _ in events:
+        counts[tid] = counts.get(tid, 0) + 1
+    own = max(counts, key=lambda t: counts[t])  # the training thread makes nearly every allocation
+    return [-n for tid, n in events if tid != own and n < 0]
+
+
 def _steps_2_to_6(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict) -> dict:
     """Step 1 creates the optimizer's states; steps 2-6 are measured (bytes alive at the
     last one's start, the absolute peaks); then the FLOPs of one forward + backward."""
@@ -217,12 +240,20 @@ def _measure_tp(mode: str, world: int, tp: int, plan: str | None = None, target:
         peaks = [_measured_step(model, opt, b)[1] for _ in range(3)]
         history = [(r.step, r.what, r.predicted, r.measured, r.note) for r in budget.peak_planner.history]
         return {"peaks": peaks, "history": history, "state": budget.peak_planner.state}
-    return _steps_2_to_6(model, opt, b)
+    out = _steps_2_to_6(model, opt, b)
+    if mode == "full":  # what gloo's threads free: tensor parallelism's collectives among them?
+        from ac2_dist.fsdp import collective_buffers
+
+        out["off_thread_frees"] = [n for _ in range(2) for n in off_thread_frees(model, opt, b)]
+        out["fsdp_buffers"] = sorted({found[1] for m in model.modules()
+                                      if (found := collective_buffers(m)) is not None})
+    return out
 
 
 def measure_tp_rank(rank: int, world: int, modes: list[str], tp: int, plan: str | None = None,
                     target: int | None = None) -> dict:
     """Per mode, FSDP2 over dp and tensor parallelism over tp (a (world / tp, tp) mesh):
     the lowest absolute peak of steps 2-6 on this rank and the FLOPs of one forward +
-    backward (``"plan"``: the peaks of steps 1-3 following the plan file ``plan``)."""
+    backward (``"plan"``: the peaks of steps 1-3 following the plan file ``plan``; ``"full"``
+    also: the blocks two more steps' gloo threads freed, and FSDP's collective buffer sizes)."""
     return {mode: _measure_tp(mode, world, tp, plan, target) for mode in modes}

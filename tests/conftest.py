@@ -1,9 +1,33 @@
 import os
 import sys
 
-import pytest
-import torch
-from _cuda_initialised import HAS_CUDA_DEVICE, simulate
+
+# Note [One CPU per xdist worker]
+#     ``pytest -n N`` runs N workers; each one's torch would start as many intra-op threads
+#     as the machine has CPUs, so N workers (and the processes their tests start) share the
+#     CPUs N times over, and OpenMP's threads spin while they wait for work. On 2 cores, two
+#     workers with 2 threads each ran tests/test_timeline.py, test_streams.py and
+#     test_fsdp.py in 232 s, with one thread each in 143 s. So each worker gets its share of
+#     the CPUs, set before torch loads, and the processes its tests start inherit it unless
+#     they set their own (rank processes use one thread: tests/_dist.py). Without xdist, or
+#     with OMP_NUM_THREADS set, nothing changes.
+def _threads_per_worker() -> int:
+    """Each xdist worker's share of the CPUs (Note [One CPU per xdist worker]); 0 without xdist."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // workers) if workers > 0 else 0
+
+
+_THREADS = _threads_per_worker() if "OMP_NUM_THREADS" not in os.environ else 0
+if _THREADS:
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from _cuda_initialised import HAS_CUDA_DEVICE, simulate  # noqa: E402
+
+if _THREADS:
+    torch.set_num_threads(_THREADS)
 
 # The launch/ scripts' models are shared with the tests.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))

@@ -154,13 +154,12 @@ def test_readme_setup_commands_are_what_ci_runs():
 
 
 def test_the_quick_tier_is_what_the_readme_says():
-    """The README's quick tier selects every test conftest.QUICK names (none of them stale),
-    and CI runs and times it."""
+    """The README's quick tier selects every test conftest.QUICK names (none of them stale);
+    the suite CI runs includes them."""
     from conftest import QUICK
 
     readme = _bash_commands(README)
     assert "python -m pytest -m quick -q" in readme
-    assert "python -m pytest -m quick -q" in _ci_lines()
     proc = _hang.run([sys.executable, "-m", "pytest", "-m", "quick", "-q", "--collect-only", "-p", "no:cacheprovider"],
                      cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

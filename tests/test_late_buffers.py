@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
 
+import _sim_case as case  # noqa: E402
 from _dist import run_ranks  # noqa: E402
 
 
@@ -29,28 +30,6 @@ def _step_peak(model, opt, b) -> int:
     return trace.whole.peak_bytes
 
 
-def _step_frees(model, opt, b) -> list[int]:
-    """One training step under the profiler: the sizes of the blocks a thread other than
-    the step's own freed."""
-    from bench_simulate import train_step
-    from torch._C._profiler import _ExtraFields_Allocation
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        train_step(model, opt, b)
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        stack.extend(e.children)
-        if isinstance(e.extra_fields, _ExtraFields_Allocation) and e.extra_fields.device.type == "cpu":
-            events.append((e.start_tid, e.extra_fields.alloc_size))
-    counts: dict[int, int] = {}
-    for tid, _ in events:
-        counts[tid] = counts.get(tid, 0) + 1
-    own = max(counts, key=lambda t: counts[t])  # the training thread makes nearly every allocation
-    return [-n for tid, n in events if tid != own and n < 0]
-
-
 def _gloo_frees(rank: int, world: int) -> dict:
     from bench_simulate import Case, _setup
 
@@ -63,7 +42,7 @@ def _gloo_frees(rank: int, world: int) -> dict:
     train_step(model, opt, b)
     frees: list[int] = []
     for _ in range(3):
-        frees += _step_frees(model, opt, b)
+        frees += case.off_thread_frees(model, opt, b)
     units = [found[1] for m in model.modules() if (found := collective_buffers(m)) is not None]
     return {"late": late_collective_bytes(model.modules()), "units": units, "frees": frees}
 

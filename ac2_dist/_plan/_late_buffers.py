@@ -20,7 +20,16 @@ Note [Collective buffers gloo frees late]
     much less than the target; none goes over it. The planner measures and corrects
     against the same reduced target (Note [Verify, correct, stay put] in _peak_verify.py), and
     a simulated gloo job (``ac2_dist.simulate`` on ``device="cpu"``) plans with the same
-    bound, so a plan file's job keeps the plan. NCCL makes no such buffers (its
+    bound, so a plan file's job keeps the plan.
+
+    Tensor parallelism's collectives are not among them. A colwise/rowwise block (torch's
+    ``parallelize_module``) all-reduces its rowwise outputs through functional
+    collectives; measured on 4 gloo ranks (dp 2 x tp 2, the tests' tiny Llama, full AC,
+    the allocator's frees made off the training thread over 3 steps a rank): only FSDP's
+    buffers (427,008 and 524,800 B, a block's and the root's) and blocks of 4-8 B were
+    freed there, never an all-reduce output (131,072 B, one activation), on any rank or
+    step. tests/test_simulate_tp.py checks it on every run. Sequence parallelism is not
+    simulated and was not measured. NCCL makes no such buffers (its
     collectives run in the tensors FSDP allocates, in stream order) and a CUDA step's
     allocated bytes are counted in the host's program order: the bound is 0 there.
 """
