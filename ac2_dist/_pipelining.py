@@ -1,12 +1,14 @@
 """Which ``torch.distributed.pipelining`` stage forward runs on this thread, read from
 the stage's own frame (Note [Pipeline steps]): ``memory.track`` counts steps by it, a
-``MemoryBudget(peak=...)`` stays at the floor under it."""
+``MemoryBudget(peak=...)`` measures no step under it (at the floor, or following a
+pipeline rank's plan file: Note [A pipeline rank's plan is followed as simulated] in
+_plan/_peak_pipeline.py)."""
 
 from __future__ import annotations
 
 import sys
 
-__all__ = ["pipeline_microbatch"]
+__all__ = ["in_pipeline_stage", "pipeline_microbatch"]
 
 
 def pipeline_microbatch() -> tuple[int, int] | None:
@@ -34,3 +36,20 @@ def pipeline_microbatch() -> tuple[int, int] | None:
             return (id(local.get("self")), chunk) if isinstance(chunk, int) else None
         frame = frame.f_back
     return None
+
+
+def in_pipeline_stage() -> bool:
+    """Whether a ``torch.distributed.pipelining`` stage runs a forward on this thread:
+    its schedule's (``forward_one_chunk``) or its first step's shape or metadata
+    inference -- any function of ``torch.distributed.pipelining.stage`` on the call
+    stack (the inference's name differs between torch versions)."""
+    stage_module = sys.modules.get("torch.distributed.pipelining.stage")
+    path = getattr(stage_module, "__file__", None)
+    if path is None:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename == path:
+            return True
+        frame = frame.f_back
+    return False

@@ -87,6 +87,12 @@ class MemoryBudget:
             usual. Pass the target the simulation was given: on CUDA and on CPU alike
             it is the rank's total. A checkpointed module the file does not name, or a block whose ops
             differ from the file's, raises ``ValueError`` naming the first difference.
+            Under a ``torch.distributed.pipelining`` schedule steps interleave and
+            cannot be measured: a plan the simulation made for the pipeline rank
+            (``simulate(..., pipeline=..., target=...)``, ``--pp ... --target``) is
+            followed as simulated, never corrected; without such a plan the blocks stay
+            at the floor (``"recompute_all"``). A pipeline rank's plan in a step that
+            runs outside a pipeline schedule raises ``RuntimeError``.
 
     Usable wherever a policy is (``apply_ac``, ``wrap``, ``apply_ac_policy``,
     ``apply_ac_policy_fn``, ``checkpoint``), nested with other policies (its answers

@@ -27,13 +27,13 @@ import torch
 from torch import nn
 
 from ._plan import _plan_file
-from ._plan._peak_model import _solve, _solve_from, block_of
-from ._plan._peak_verify import _TRIES, _USE
 from ._sim import _report
+from ._sim._climb import OneStep, climb
 from ._sim._pipeline import Pipeline, StageStep, rank_stages
 from ._sim._policies import normalize
 from ._sim._report import ModeReport, format_table
 from ._sim._run import _Recorder, _Run, _Spec, run_mode
+from ._sim._stage_plan import StageModel, file_fqns, plan_meta
 from ._sim._world import ddp_refused, fake_world, per_block_shard, tp_styles
 from ._sizes import human_bytes, parse_size
 
@@ -148,7 +148,10 @@ class SimulationReport:
         # does (Note [Collective buffers gloo frees late] in _plan/_late_buffers.py)
         late = floor.late
         planned = nbytes - late
-        choice = _solve(options, bases, planned - origin)
+        # a pipeline rank holds each plan once per microbatch in flight (Note [A stage's
+        # microbatches in flight] in _plan/_stage_model.py)
+        model = StageModel(floor) if self.pipeline is not None else OneStep()
+        choice = model.solve(options, bases, planned - origin)
         if choice is None or floor_peak > planned:
             less = (f" less the {late} bytes of collective buffers gloo may hold past their wait" if late else "")
             raise ValueError(
@@ -158,10 +161,12 @@ class SimulationReport:
                 f"sequence length")
         name = f"target {target}" if isinstance(target, str) else f"target {human_bytes(nbytes)}"
         run, guard = None, {}
-        if check:
-            choice, bases, guard, run = self._climb(options, tuple(choice), bases, planned)
+        if check:  # Note [A plan file climbs as the job would] in _sim/_climb.py
+            problems = [floor.problems[floor.structure[f]] for f in fqns]
+            choice, bases, guard, run = climb(model, options, problems, tuple(choice), bases, planned, origin,
+                                              lambda c: self._simulate_plan(options, c))
         dks = [o[i].dk for o, i in zip(options, choice)]
-        predicted = origin + max(base + sum(dks[:block_of(s) + 1]) for s, base in bases.items())
+        predicted = origin + model.predict(bases, dks)
         chosen = [o[i] for o, i in zip(options, choice)]
         report = ModeReport(name, predicted, floor.start, {}, "predicted (peak model)",
                             sum(o.flops for o in chosen), sum(o.seconds for o in chosen), {}, predicted)
@@ -169,11 +174,16 @@ class SimulationReport:
             report.peak_bytes, report.breakdown, report.when = run.peak, run.breakdown, run.when
             report.kept_bytes = {fqns[k]: v for k, v in run.kept.items()}
             report.reserved_bytes, report.reserved_expandable_bytes = run.reserved
-            _boundary(report, run, floor, self._spec.rates, self._link)
+            if self.pipeline is None:
+                _boundary(report, run, floor, self._spec.rates, self._link)
         meta = {"target": nbytes, "predicted_peak": predicted, "step_start": origin,
                 "world_size": self.world_size, "rank": self.rank,
                 "device": self.device, "torch": torch.__version__, "guard": guard, "late": late}
-        self._plan = _plan_file.dump(fqns, floor.structure, floor.problems, tuple(choice), bases, meta)
+        if self.pipeline is not None:
+            meta["pipeline"] = plan_meta(self.pipeline)
+        names = file_fqns(fqns) if self.pipeline else fqns  # Note [A pipeline rank's plan file names its stages]
+        self._plan = _plan_file.dump(names, {n: floor.structure[f] for n, f in zip(names, fqns)}, floor.problems,
+                                     tuple(choice), bases, meta)
         self.modes = [m for m in self.modes if m.name != name] + [report]
         return report
 
@@ -184,60 +194,6 @@ class SimulationReport:
                  for f, o, i in zip(floor.fqns, options, choice)}
         with fake_world(self.world_size, self.rank):
             return run_mode(self._spec, _Recorder(self._spec.rates, plans))
-
-    def _climb(self, options: list, choice: tuple[int, ...], bases: dict[str, int],
-               nbytes: int) -> tuple[tuple[int, ...], dict[str, int], dict[str, int], _Run]:
-        """Run the plan in simulated steps as the job's planner verifies it (Note [A plan
-        file climbs as the job would]): each step's segment peaks correct the plan (over
-        the target: the bases rise to what the step implies; under it: the next plan is
-        priced from the step's peaks up, taken within the planner's slack only if
-        cheaper), until the plan stops changing or ``_TRIES`` plans ran (then the
-        cheapest within the target, or the floor). Returns the plan, the model's bases and
-        the guard (the bases steps over the target implied) it ends with, and the run of
-        the plan returned."""
-        floor = self._floor
-        assert floor is not None
-        origin = floor.start
-        cap = nbytes - origin
-        problems = [floor.problems[floor.structure[f]] for f in floor.fqns]
-        margin = max((p.records[s].nbytes for p in problems for s in p.candidates), default=0)
-        zero = tuple(0 for _ in options)
-
-        def cost(c: tuple[int, ...]) -> float:
-            return sum(o[i].seconds for o, i in zip(options, c))
-
-        guard: dict[str, int] = {}
-        tried: list[tuple[float, tuple[int, ...], _Run]] = []
-        for step in range(1, _TRIES + 1):
-            run = self._simulate_plan(options, choice)
-            peaks = {s: v - origin for s, v in run.segments.items()}
-            measured = max(peaks.values()) + origin
-            dks = [o[i].dk for o, i in zip(options, choice)]
-            implied = {s: peaks[s] - sum(dks[:block_of(s) + 1]) for s in peaks}
-            over = measured > nbytes
-            if over:
-                guard = {s: max(guard.get(s, implied[s]), implied[s]) for s in peaks}
-            else:
-                tried.append((cost(choice), choice, run))
-            top = all(i == len(o) - 1 for o, i in zip(options, choice))
-            if not over and top:
-                return choice, bases, guard, run
-            if step == _TRIES:
-                break
-            lowest = {s: max(implied[s], guard.get(s, implied[s])) for s in peaks}
-            before, kept = choice, bases
-            if over:
-                bases = {s: max(lowest[s], bases.get(s, lowest[s])) for s in peaks}
-                choice = _solve(options, bases, cap - margin) or zero
-            else:
-                choice, bases = _solve_from(options, problems, choice,
-                                            {s: peaks[s] - implied[s] + lowest[s] for s in peaks}, cap, margin)
-            if choice == before:
-                return choice, bases, guard, run
-            if not over and measured >= _USE * nbytes and cost(choice) >= cost(before):
-                return before, kept, guard, run  # within _USE: only a cheaper plan is worth a step
-        _, best, run = min(tried, key=lambda t: t[0]) if tried else (0.0, zero, None)
-        return best, bases, guard, run if run is not None else self._simulate_plan(options, best)
 
     def save_plan(self, path: str, target: int | str | None = None) -> None:
         """Write the plan of the last :meth:`plan` call (or of ``target``: solved from the
@@ -250,28 +206,6 @@ class SimulationReport:
             raise ValueError("ac2_dist.simulate: no plan to save; call report.plan(target) first or pass target=")
         with open(path, "w", encoding="utf-8") as f:
             json.dump(self._plan, f)
-
-
-# Note [A plan file climbs as the job would]
-#     The peak model errs high (Note [The peak model] in _plan/_peak_model.py): a plan
-#     solved from the floor step's segment bases measures under its prediction, by 3 % to
-#     16 % on the tiny models of launch/bench_simulate.py, and a job verifies it and
-#     corrects it (Note [Verify, correct, stay put] in _plan/_peak_verify.py). A plan file
-#     followed in the job's first step would leave that headroom unused there, and the
-#     model's figure in the report would be the first plan's. So ``plan(check=True)``
-#     runs the job's verification on the simulated rank, step for step as _peak.py does
-#     it: each simulated step's segment peaks correct the plan (over the target, the
-#     bases rise to what the step implies, never below what an earlier step over the
-#     target implied -- the guard -- and the plan is solved again; under by more than
-#     ``1 - _USE``, the next plan is priced from the step's peaks up with the job's
-#     ``_solve_from`` and its margin), until a step saves everything, the plan stops
-#     changing, a step using ``_USE`` of the target corrects to no cheaper plan, or
-#     ``_TRIES`` plans ran (then the cheapest within the
-#     target, or the floor). The file holds that plan, the model's bases and the guard:
-#     the job starts where the simulated steps ended, measures its own steps and goes on
-#     correcting from there, and a plan the simulation saw overshoot is not chosen again.
-#     ``plan(check=False)`` (and ``save_plan(path, target)``) writes the plan solved from
-#     the floor step, unverified.
 
 
 class _NoBudget:
@@ -452,9 +386,12 @@ def simulate(
             returns an ``nn.ModuleList`` of the rank's stages (``Pipeline.indices``'
             order), ``batch`` a list of inputs, one per stage, and ``loss`` is called
             per stage module. ``world_size`` is then the ranks FSDP
-            shards the stage over (the data-parallel group); no ``target`` (a peak
-            target's planner stays at the floor under a pipeline schedule), and no
-            block-input offload figures.
+            shards the stage over (the data-parallel group); a ``target`` is planned
+            for the rank with every microbatch the schedule keeps in flight holding its
+            saves, and the job follows the plan file as it is (its steps cannot be
+            measured; with several stages per rank, give ``apply_ac`` an
+            ``nn.ModuleList`` of the stage modules in ``Pipeline.indices``' order and
+            the budget); no block-input offload figures.
 
     Every checkpointed mode also reports the same step with its block inputs offloaded
     (``Offload(block_inputs=True)``: every block's input but the last's in host memory
@@ -536,18 +473,14 @@ def simulate(
     if pipeline is not None:
         if not isinstance(pipeline, Pipeline):
             raise ValueError(f"ac2_dist.simulate: pipeline must be an ac2_dist.simulate.Pipeline, got {pipeline!r}")
-        if nbytes is not None:
-            raise ValueError("ac2_dist.simulate: a peak target is not planned for a pipeline stage (the job's "
-                             "MemoryBudget(peak=...) stays at the floor under a pipeline schedule); simulate its "
-                             "modes instead")
         build = rank_stages(build, pipeline)
     spec = _Spec(build, blocks, shard, batch, loss or _default_loss, optimizer, rates,
                  tuple(tuple(g) for g in groups), gloo=str(device).lower() == "cpu",
                  step=StageStep(pipeline, loss or _default_loss) if pipeline is not None else None)
     reports: list[ModeReport] = []
     floor: _Run | None = None
-    # the floor step records the blocks' problems for a target's plan: one microbatch a step
-    need_floor = pipeline is None and (nbytes is not None or any(m.kind != "none" for m in wanted))
+    # the floor step records the blocks' problems for a target's plan (and is the full-AC step)
+    need_floor = nbytes is not None or any(m.kind != "none" for m in wanted)
     runs: list[_Run] = []
     with fake_world(world_size, rank):
         if need_floor:
@@ -564,7 +497,7 @@ def simulate(
             if m.kind != "none":
                 assert run.replayed is not None
                 r.recompute_flops, r.recompute_seconds = run.replayed
-                if floor is not None:
+                if floor is not None and pipeline is None:
                     _boundary(r, run, floor, rates, link)
             reports.append(r)
     report = SimulationReport(spec, world_size, rank, device if isinstance(device, str) else "custom", reports,

@@ -28,7 +28,9 @@ MODES = ["none", "full"]
 #: The multi-stage schedules' tests run on a 4-layer model (2 ranks x 2 stages).
 
 
-def stage_module(pp: Pipeline, mode: str, mesh=None) -> torch.nn.Module:
+def stage_module(pp: Pipeline, mode, mesh=None) -> torch.nn.Module:
+    """The stage's module under ``mode``: ``"none"``, ``"full"`` or ``(target, plan
+    file)`` (a peak target following the plan file)."""
     import ac2_dist as ac
     from ac2_dist._sim._pipeline import HFStage
 
@@ -36,6 +38,10 @@ def stage_module(pp: Pipeline, mode: str, mesh=None) -> torch.nn.Module:
     stage = HFStage(case.build(), pp)
     if mode == "full":
         ac.apply_ac(stage, "recompute_all", modules=[case.block_type()])
+    elif mode != "none":
+        target, path = mode
+        stage.budget = ac.MemoryBudget(peak=target, plan=path)
+        ac.apply_ac(stage, stage.budget, modules=[case.block_type()])
     return stage
 
 
@@ -53,13 +59,30 @@ def stage_loss(pp: Pipeline):
     return loss
 
 
-def simulated(stage: int, schedule: str = "1F1B") -> dict:
+def _sim_args(pp: Pipeline) -> dict:
+    """``simulate``'s build, batch and loss for the pipeline rank ``pp``."""
+    if len(pp.indices) == 1:
+        return {"build": lambda: stage_module(pp, "none"), "batch": lambda: stage_batch(pp), "loss": stage_loss(pp)}
+    return {"build": lambda: torch.nn.ModuleList([stage_part(pp, i, "none") for i in pp.indices]),
+            "batch": lambda: parts_batch(pp), "loss": part_loss}
+
+
+def simulated(stage: int, schedule: str = "1F1B", folder: str | None = None) -> dict:
+    """The simulated rank's ``ModeReport`` per mode (``"none"``, ``"full"``); with
+    ``folder`` also ``"plan"``: a peak target halfway between the floor (full AC plus the
+    collective buffers gloo may hold late) and no AC, planned (``target``), its plan file
+    written in ``folder`` (``path``)."""
     pp = Pipeline(STAGES, stage, MICROBATCHES, schedule)
-    out = {}
-    for mode in MODES:
-        r = simulate(lambda: stage_module(pp, "none"), batch=lambda: stage_batch(pp), blocks=[case.block_type()],
-                     world_size=1, modes=[mode], device="cpu", loss=stage_loss(pp), pipeline=pp)
-        out[mode] = r.modes[0]
+    a = _sim_args(pp)
+    r = simulate(a["build"], batch=a["batch"], blocks=[case.block_type()], world_size=1, modes=MODES,
+                 device="cpu", loss=a["loss"], pipeline=pp)
+    out = {"none": r.mode("no AC"), "full": r.mode("full AC")}
+    if folder is not None:
+        floor = out["full"].peak_bytes + r.late_bytes
+        out["target"] = int(floor + 0.5 * (out["none"].peak_bytes - floor))
+        out["plan"] = r.plan(out["target"])
+        out["path"] = os.path.join(folder, f"plan_{schedule}_{stage}.json")
+        r.save_plan(out["path"])
     return out
 
 
@@ -76,7 +99,11 @@ def stage_buffers(stage) -> int:
     return sum(seen.values())
 
 
-def real_rank(rank: int, world: int, schedule: str) -> dict:
+def real_rank(rank: int, world: int, schedule: str, plans: list | None = None) -> dict:
+    """Each mode's peak on this rank under torch's runtime (the lowest of four steps and
+    all four); with ``plans`` (a ``(target, plan file)`` per rank) the mode ``"plan"``
+    too and its ``format_plan()`` (``text``); ``grads``: per mode, the gradients of the
+    first step that are not bitwise no AC's (:func:`differing`)."""
     from bench_simulate import alive
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -86,9 +113,10 @@ def real_rank(rank: int, world: int, schedule: str) -> dict:
 
     mesh = init_device_mesh("cpu", (STAGES, 1), mesh_dim_names=("pp", "dp"))
     pp = Pipeline(STAGES, rank, MICROBATCHES, schedule)
-    out = {}
-    for mode in MODES:
-        module = stage_module(pp, mode)
+    out: dict = {}
+    grads: dict = {}
+    for mode in MODES + (["plan"] if plans else []):
+        module = stage_module(pp, plans[rank] if mode == "plan" else mode)
         for layer in module.model.model.layers:
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(module, mesh=mesh["dp"])
@@ -99,15 +127,21 @@ def real_rank(rank: int, world: int, schedule: str) -> dict:
         ids = torch.randint(0, case.VOCAB, (MICROBATCHES * case.BATCH, case.SEQ),
                             generator=torch.Generator().manual_seed(1))
 
-        def step(sched=sched, opt=opt, ids=ids):
+        def step(sched=sched, opt=opt, ids=ids, update=True):
             if pp.first:
                 sched.step(ids, return_outputs=False)
             else:
                 sched.step(target=ids, losses=[], return_outputs=False)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            if update:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
 
-        step()  # the optimizer's states and the stage's receive buffers
+        step(update=False)  # the optimizer's states and the stage's receive buffers
+        grads[mode] = {n: p.grad.full_tensor().clone() for n, p in module.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if mode == "plan":
+            out["text"] = module.budget.format_plan()
         peaks = []
         for _ in range(4):
             start = alive(module, opt, {"ids": ids}) + stage_buffers(stage)
@@ -116,6 +150,7 @@ def real_rank(rank: int, world: int, schedule: str) -> dict:
             peaks.append(start + trace.whole.peak_bytes)
         out[mode] = {"peak": min(peaks), "peaks": peaks}
         del sched, stage, module, opt
+    out["grads"] = differing(grads)
     return out
 
 
@@ -144,22 +179,13 @@ def part_loss(model, b):
     return model.loss(out, b["labels"]) if model.last else out
 
 
-def multi_simulated(rank: int, schedule: str) -> dict:
-    pp = Pipeline(STAGES, rank, MICROBATCHES, schedule)
-    out = {}
-    for mode in MODES:
-        r = simulate(lambda: torch.nn.ModuleList([stage_part(pp, i, "none") for i in pp.indices]),
-                     batch=lambda: parts_batch(pp), blocks=[case.block_type()], world_size=1, modes=[mode],
-                     device="cpu", loss=part_loss, pipeline=pp)
-        out[mode] = r.modes[0].peak_bytes
-    return out
-
-
-def real_multi_rank(rank: int, world: int, schedule: str) -> dict:
-    """Each rank's peak under torch's runtime with FSDP2 per block and per stage, and
-    its stages' gradients without FSDP (torch's split backward finds a middle stage's
-    weights among the sharded parameters, so under FSDP2 it computes none: Note [Several
-    stages per rank]) -- no AC and full AC."""
+def real_multi_rank(rank: int, world: int, schedule: str, plans: list | None = None) -> dict:
+    """Each mode's peak under torch's runtime with FSDP2 per block and per stage, and
+    which of its stages' gradients differ from no AC's in a run without FSDP (torch's
+    split backward finds a middle stage's weights among the sharded parameters, so under
+    FSDP2 it computes none: Note [Several stages per rank]), as :func:`real_rank`
+    returns them; a plan mode's budget is applied to an ``nn.ModuleList`` of the rank's
+    stages, the fqns the simulation's plan file names."""
     from bench_simulate import alive
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -172,10 +198,17 @@ def real_multi_rank(rank: int, world: int, schedule: str) -> dict:
     pp = Pipeline(STAGES, rank, MICROBATCHES, schedule)
     ids = torch.randint(0, case.VOCAB, (MICROBATCHES * case.BATCH, case.SEQ),
                         generator=torch.Generator().manual_seed(1))
-    out: dict = {"peak": {}, "grads": {}}
-    for mode in MODES:
+    out: dict = {}
+    grads: dict = {}
+    for mode in MODES + (["plan"] if plans else []):
         for fsdp in (True, False):
-            parts = [stage_part(pp, i, mode) for i in pp.indices]
+            parts = [stage_part(pp, i, "none" if mode == "plan" else mode) for i in pp.indices]
+            if mode == "plan":
+                import ac2_dist as ac
+
+                budget = ac.MemoryBudget(peak=plans[rank][0], plan=plans[rank][1])
+                ac.apply_ac(torch.nn.ModuleList(parts), budget, modules=[case.block_type()])
+                out["text"] = budget.format_plan()
             if fsdp:
                 for part in parts:
                     for layer in part.model.model.layers:
@@ -197,8 +230,8 @@ def real_multi_rank(rank: int, world: int, schedule: str) -> dict:
 
             if not fsdp:
                 step(update=False)
-                out["grads"][mode] = {(i, n): p.grad.clone() for part, i in zip(parts, pp.indices)
-                                      for n, p in part.named_parameters()}
+                grads[mode] = {f"{i}.{n}": p.grad.clone() for part, i in zip(parts, pp.indices)
+                               for n, p in part.named_parameters()}
                 continue
             step()  # the optimizer's states and the stages' receive buffers
             peaks = []
@@ -207,34 +240,50 @@ def real_multi_rank(rank: int, world: int, schedule: str) -> dict:
                 with AllocationTrace() as trace:
                     step()
                 peaks.append(start + trace.whole.peak_bytes)
-            out["peak"][mode] = {"peak": min(peaks), "peaks": peaks}
+            out[mode] = {"peak": min(peaks), "peaks": peaks}
             del sched, stages, parts, opt
-    none, full = out.pop("grads").values()  # compared here: tensors do not travel back from a rank
-    out["grads"] = {"count": len(none), "same_keys": none.keys() == full.keys(),
-                    "differ": [str(k) for k in none if k in full and not torch.equal(none[k], full[k])]}
+    out["grads"] = differing(grads)
     return out
 
 
-def compare(schedule: str) -> dict:
-    """Simulated and measured peaks of both ranks under ``schedule``, no AC and full AC
-    (``rows``: rank, mode, simulated, measured, error), and under a multi-stage schedule
-    whether full AC's gradients equal no AC's (``grads``, per rank; None otherwise)."""
+def differing(grads: dict) -> dict:
+    """Per mode but no AC, the gradients (by name) that are not bitwise no AC's, or
+    missing or extra; ``"count"``: how many no AC has. Compared on the rank: tensors do
+    not travel back from it."""
+    none = grads["none"]
+    out: dict = {"count": len(none)}
+    for mode, g in grads.items():
+        if mode != "none":
+            out[mode] = sorted(n for n in none.keys() | g.keys()
+                               if n not in none or n not in g or not torch.equal(none[n], g[n]))
+    return out
+
+
+def compare(schedule: str, plans: bool = False) -> dict:
+    """Simulated and measured peaks of both ranks under ``schedule``, no AC and full AC,
+    and with ``plans`` each rank's peak target's plan (``simulated``' target, followed by
+    the job from its plan file): ``rows`` (rank, mode, simulated, measured, error; for a
+    plan also its target and the highest measured step), and per rank which gradients
+    differ from no AC's (``grads``: :func:`differing`)."""
+    import tempfile
+
     from _dist import run_ranks
 
     t0 = time.perf_counter()
-    if schedule in SINGLE:
-        sim = [{m: r.peak_bytes for m, r in simulated(s, schedule).items()} for s in range(STAGES)]
+    with tempfile.TemporaryDirectory() as folder:
+        sim = [simulated(r, schedule, folder if plans else None) for r in range(STAGES)]
         t1 = time.perf_counter()
-        real = [{m: v["peak"] for m, v in rank.items()} for rank in run_ranks(real_rank, schedule,
-                                                                               world=STAGES)]
-        grads = None
-    else:
-        sim = [multi_simulated(r, schedule) for r in range(STAGES)]
-        t1 = time.perf_counter()
-        got = run_ranks(real_multi_rank, schedule, world=STAGES)
-        real = [{m: v["peak"] for m, v in rank["peak"].items()} for rank in got]
-        grads = [rank["grads"] for rank in got]
-    rows = [{"rank": r, "mode": m, "simulated": sim[r][m], "measured": real[r][m],
-             "error": sim[r][m] / real[r][m] - 1} for r in range(STAGES) for m in MODES]
-    return {"schedule": schedule, "rows": rows, "grads": grads, "simulate_s": t1 - t0,
+        got = run_ranks(real_rank if schedule in SINGLE else real_multi_rank, schedule,
+                        [(s["target"], s["path"]) for s in sim] if plans else None, world=STAGES)
+    rows = []
+    for r in range(STAGES):
+        for m in MODES + (["plan"] if plans else []):
+            row = {"rank": r, "mode": m, "simulated": sim[r][m].peak_bytes, "measured": got[r][m]["peak"],
+                   "error": sim[r][m].peak_bytes / got[r][m]["peak"] - 1}
+            if m == "plan":
+                row.update(target=sim[r]["target"], highest=max(got[r][m]["peaks"]),
+                           predicted=sim[r][m].predicted_bytes, recompute_flops=sim[r][m].recompute_flops,
+                           full_flops=sim[r]["full"].recompute_flops, text=got[r]["text"])
+            rows.append(row)
+    return {"schedule": schedule, "rows": rows, "grads": [g["grads"] for g in got], "simulate_s": t1 - t0,
             "real_s": time.perf_counter() - t1}

@@ -491,11 +491,12 @@ class _MLP(torch.nn.Module):
         return x + self.down(F.gelu(self.up(x)))
 
 
-def _pipeline_rank(rank, world, schedule):
+def _pipeline_rank(rank, world, schedule, plan=None):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     torch.manual_seed(rank)
-    budget = ac.MemoryBudget(peak="1GiB")
+    budget = ac.MemoryBudget(peak=plan[0], plan=plan[1]) if plan else ac.MemoryBudget(peak="1GiB")
+    installed = budget.peak_planner.choice
     stage_module = ac.apply_ac(torch.nn.Sequential(_MLP(), _MLP()), budget, modules=[_MLP])
     stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
@@ -510,7 +511,8 @@ def _pipeline_rank(rank, world, schedule):
                 pipe.step(target=target, losses=[])
             stage_module.zero_grad(set_to_none=True)
     planner = budget.peak_planner
-    return {"state": planner.state, "choice": planner.choice, "profiler": torch._C._autograd._profiler_enabled(),
+    return {"state": planner.state, "choice": planner.choice, "installed": installed,
+            "profiler": torch._C._autograd._profiler_enabled(),
             "warnings": [str(w.message) for w in caught if "pipeline schedule" in str(w.message)],
             "plan": budget.format_plan(detail=True)}
 
@@ -523,6 +525,25 @@ def test_pipeline_stages_stay_at_the_floor_without_collectives(schedule):
         assert out["state"] == "pipelined" and out["choice"] is None, out
         assert len(out["warnings"]) == 1 and not out["profiler"], out
         assert "at the floor: a torch.distributed.pipelining stage" in out["plan"], out["plan"]
+
+
+def test_a_plan_file_for_one_microbatch_a_step_is_not_followed_under_a_pipeline(tmp_path):
+    """A plan file simulated without ``pipeline=`` plans one microbatch's saves; under a
+    schedule each microbatch in flight would hold them, so the stage drops it for the
+    floor (Note [A pipeline rank's plan is followed as simulated] in
+    ac2_dist/_plan/_peak_pipeline.py), and says so once."""
+    from ac2_dist.simulate import simulate
+
+    report = simulate(lambda: torch.nn.Sequential(_MLP(), _MLP()), batch=lambda: torch.randn(8, 64), blocks=[_MLP],
+                      world_size=1, fsdp=None, device="cpu", modes=["none", "full"])
+    target = report.mode("no AC").peak_bytes
+    report.plan(target)
+    path = str(tmp_path / "plan.json")
+    report.save_plan(path)
+    for out in run_ranks(_pipeline_rank, "1f1b", (target, path)):
+        assert out["installed"] is not None, out  # the file's plan saves something
+        assert out["state"] == "pipelined" and out["choice"] is None, out
+        assert len(out["warnings"]) == 1 and "at the floor" in out["plan"], out
 
 
 def _per_rank_targets(rank, world):

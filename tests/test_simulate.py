@@ -298,7 +298,7 @@ def test_gpt2_and_4_ranks_and_a_peak_target_within_5_and_1_percent(bench_rows):
     target = bench_rows[-1]
     assert target["flops_counted"] > 0 and target["measured"] <= target["target"] * 1.02, target
     # the plan the file holds is where the job's planner would settle (Note [A plan file
-    # climbs as the job would] in simulate.py): its simulated step uses the target less
+    # climbs as the job would] in ac2_dist/_sim/_climb.py): its simulated step uses the target less
     # gloo's late buffers (Note [Collective buffers gloo frees late] in
     # ac2_dist/_plan/_late_buffers.py), and the peak model, priced from the simulated
     # steps, is within 5 % of it; no step of the plan's job on any rank is over the target

@@ -49,6 +49,9 @@ Note [The step's device]
     step's regions decided, and the first such step is not measured.
 
 The sync round of every step start is Note [One plan on every rank] in _peak_step.py.
+
+A pipeline stage's planner: Note [A pipeline rank's plan is followed as simulated] in
+_peak_pipeline.py.
 """
 
 from __future__ import annotations
@@ -65,12 +68,14 @@ from torch.utils._python_dispatch import _disable_current_modes
 from .._device import device_of
 from .._measure._alloc import AllocationTrace, active_trace
 from .._measure._alloc_history import AllocatorHistory
+from .._pipelining import in_pipeline_stage
 from .._pipelining import pipeline_microbatch as _pipeline_microbatch
 from .._sizes import human_bytes as _human
 from ._block_problem import BlockBudget, Plan, _Option, _Problem
 from ._late_buffers import late_collective_bytes
 from ._peak_model import _solve, _solve_from, block_of
 from ._peak_offload import remember_schedule
+from ._peak_pipeline import at_the_floor, follow, outside
 from ._peak_report import describe
 from ._peak_step import _Call, _Record, _Step, _watch_model
 from ._peak_verify import _FOREIGN_PROFILER, use
@@ -133,6 +138,9 @@ class PeakPlanner:
         # bytes gloo may hold late, kept clear of the target (Note [Collective buffers gloo frees late]);
         # None until the first step is used
         self.late: int | None = None
+        # a plan file's pipeline rank, whose plan is followed as it is (Note [A pipeline
+        # rank's plan is followed as simulated] in _peak_pipeline.py); None otherwise
+        self.stage_plan: dict[str, Any] | None = None
 
     # ---- steps ------------------------------------------------------------------------
     def before_region(self, fqn: str) -> str:
@@ -150,6 +158,8 @@ class PeakPlanner:
             if self._error is not None:
                 raise RuntimeError(self._error)
             if self.state == "pipelined":
+                if self.stage_plan is not None and not in_pipeline_stage():
+                    raise RuntimeError(outside(self, fqn))
                 return fqn
             if step is not None:
                 if not step.backward and fqn and any(c.fqn == fqn for c in step.calls):
@@ -208,11 +218,13 @@ class PeakPlanner:
         _peak_verify.py): the planner measures nothing and issues no collective (stages
         reach a step's first region at different times)."""
         self.close()  # a step begun outside the schedule (e.g. the stage's shape inference)
-        self.state = "pipelined"
-        self.all_settled = True
-        self.reason = "a torch.distributed.pipelining stage: steps cannot be measured (limitation)"
-        self._warn_once("pipelined", "a pipeline schedule runs this model: microbatches are in flight, so a step "
-                                     "cannot be measured; the plan stays at the floor (\"recompute_all\")")
+        at_the_floor(self)
+
+    def follow_stage_plan(self, stage: dict[str, Any], predicted: int) -> None:
+        """Follow the installed plan file's plan of a pipeline rank as it is (Note [A
+        pipeline rank's plan is followed as simulated] in _peak_pipeline.py); ``stage``:
+        the file's pipeline."""
+        follow(self, stage, predicted)
 
     @staticmethod
     def _key(step: _Step | None, fqn: str) -> str:

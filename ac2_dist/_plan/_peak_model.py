@@ -50,7 +50,12 @@ Note [The DP checks exact bytes]
     recompute, predicted and measured 12 KiB under compile's 0.8 point, was refused by
     the 7 rounded steps (700 KiB). Merging may drop a state that a later block needed
     (the cheaper of two close sums is kept, not the smaller): a plan a little costlier
-    than the optimum, never one over the target.
+    than the optimum, never one over the target. The state with the smallest sum is kept
+    besides, so a plan is found whenever the options with the fewest bytes fit: a
+    pipeline rank's model (Note [A stage's microbatches in flight] in _stage_model.py)
+    caps a whole stage's sum at exactly 0 where its microbatches in flight leave no room,
+    and on a 405B-sized stage one grid step (10 MB) merged the floor's sum 0 with a
+    cheaper 2 MB one, so no plan was found above the floor.
 
 Note [A correction adds to what was measured]
     A plan A that measured under the target corrects from that step's segment peaks, not
@@ -165,6 +170,7 @@ def _solve(options: list[list[_Option]], bases: dict[str, int], target: int) -> 
         cap = caps[k]
         subs = _sub_caps(bases, k, target)
         nxt: dict[int, tuple[float, int, Any, int]] = {}
+        low: tuple[float, int, Any, int] | None = None  # the smallest sum (Note [The DP checks exact bytes])
         for cost, flops, back, s in states.values():
             for i, o in enumerate(opts):
                 s2 = s + o.dk
@@ -174,6 +180,8 @@ def _solve(options: list[list[_Option]], bases: dict[str, int], target: int) -> 
                     continue
                 key = s2 // q
                 cand = (cost + o.seconds, flops + o.flops, (i, back), s2)
+                if low is None or (s2, cand[0]) < (low[3], low[0]):
+                    low = cand
                 cur = nxt.get(key)
                 if cur is None or (cand[0], cand[1], s2) < (cur[0], cur[1], cur[3]):
                     nxt[key] = cand
@@ -188,6 +196,8 @@ def _solve(options: list[list[_Option]], bases: dict[str, int], target: int) -> 
             if c[0] < best - 1e-15:
                 states[key] = c
                 best = c[0]
+        if low is not None and low[3] < min(c[3] for c in states.values()):
+            states[-1] = low
     _, _, back, _ = min(states.values(), key=lambda c: (c[0], c[1], c[3]))
     picked = []
     while back is not None:

@@ -16,7 +16,7 @@ def describe(planner: Any) -> str:
     with planner.lock:
         state = {"floor": "measuring the floor" if not planner.history else "at the floor",
                  "planned": "verifying its plan", "settled": f"settled: {planner.reason}",
-                 "pipelined": f"at the floor: {planner.reason}"}[planner.state]
+                 "pipelined": planner.reason}[planner.state]
         seconds, flops = planner.recompute()
         lines = [
             f"peak target {_human(planner.target)} ({planner.target} bytes) on this rank; {state}",

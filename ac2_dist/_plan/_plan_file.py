@@ -10,7 +10,7 @@ Note [A plan file is the planner's state]
     model (Note [The peak model] in _peak_model.py: measured in the simulated floor step,
     or implied by the simulated planned steps when ``plan()`` verified and corrected the
     plan, with ``guard``, the bases its steps over the target implied: Note [A plan file
-    climbs as the job would] in simulate.py) and the option chosen per block. Loading it
+    climbs as the job would] in _sim/_climb.py) and the option chosen per block. Loading it
     rebuilds the problems and installs the choice as the
     planner's plan in state ``planned``: the first step follows it (no calibration at
     the floor) and is measured like any planned step, so Note [Verify, correct, stay
@@ -170,10 +170,15 @@ def install(planner: Any, loaded: _Loaded) -> None:
             match = [max((i for i, o in enumerate(options) if o.dk <= call.dk), default=0)]
         choice.append(match[0])
     # the bases the simulated steps over the target implied (Note [A plan file climbs as
-    # the job would] in simulate.py): a plan the simulation saw overshoot is not chosen again
+    # the job would] in _sim/_climb.py): a plan the simulation saw overshoot is not chosen again
     planner.guard = {str(k): int(v) for k, v in (loaded.meta.get("guard") or {}).items()}
     planner.state = "planned"
+    stage = loaded.meta.get("pipeline")
+    if stage:  # its bases are a pipeline rank's model's: Note [A pipeline rank's plan is followed as simulated] in _peak_pipeline.py
+        planner.bases = None
     planner._install(tuple(choice) if any(choice) else None)
+    if stage:
+        planner.follow_stage_plan(stage, int(loaded.meta.get("predicted_peak") or 0))
 
 
 def mismatch(loaded: _Loaded, fqn: str, k: int | None, key: tuple | None) -> str:

@@ -293,7 +293,12 @@ def _run(args: argparse.Namespace, simulate: Callable[..., Any]) -> int:
     print(report.format())
     if args.plan_out:
         report.save_plan(args.plan_out)
-        print(f"\nplan written to {args.plan_out}: MemoryBudget(peak={args.target!r}, plan={args.plan_out!r})")
+        where = ""
+        if pipeline is not None:  # Note [A pipeline rank's plan file names its stages] in _stage_plan.py
+            where = (" on the stage's module, followed as simulated" if len(pipeline.indices) == 1 else
+                     f" on an nn.ModuleList of the rank's stage modules (stages {', '.join(map(str, pipeline.indices))}"
+                     "), followed as simulated")
+        print(f"\nplan written to {args.plan_out}: MemoryBudget(peak={args.target!r}, plan={args.plan_out!r}){where}")
     return 0
 
 
@@ -310,9 +315,8 @@ def _pipeline(args: argparse.Namespace) -> tuple[Any, int]:
     if not args.hf_config:
         raise _Refused("--pp cuts a Hugging Face model into stages (--hf-config); with --model, call "
                        "ac2_dist.simulate.simulate(..., pipeline=Pipeline(...)) on your stage's module")
-    if args.head or args.target:
-        raise _Refused(f"--pp: {'--head' if args.head else '--target'} is not simulated for a pipeline stage "
-                       "(the job's peak-target planner stays at the floor under a pipeline schedule)")
+    if args.head:
+        raise _Refused("--pp: --head is not simulated for a pipeline stage (the last stage's head is its own)")
     try:
         pipeline = Pipeline(args.pp, args.pp_stage, args.microbatches or args.pp, args.schedule,
                             args.stages_per_rank)

@@ -24,8 +24,9 @@ Note [A pipeline stage's step]
     What the schedule's sends keep alive is held too (Note [What a schedule's sends
     hold]). Checked against torch's ``Schedule1F1B`` and ``ScheduleGPipe`` on 2 gloo ranks
     (tests/test_simulate_pipeline.py, launch/bench_pipeline.py): every stage within 0.08 %.
-    Not simulated: a peak target, whose planner stays at the floor under a pipeline
-    schedule (it cannot tell one microbatch's step from another's).
+    A peak target is planned for the rank from this step (Note [A stage's microbatches in
+    flight] in _plan/_stage_model.py) and the job follows its plan file as simulated (Note
+    [A pipeline rank's plan is followed as simulated] in _plan/_peak_pipeline.py).
 
 Note [Several stages per rank]
     The multi-stage schedules (``Interleaved1F1B``, ``LoopedBFS``, ``InterleavedZeroBubble``,
@@ -258,14 +259,16 @@ def rank_stages(build: Callable[[], nn.Module], pipeline: Pipeline) -> Callable[
 
 class StageStep:
     """The step of one pipeline rank (Note [A pipeline stage's step], Note [Several
-    stages per rank]), called as ``step(model, batch, before_forward)``; ``model`` is the
+    stages per rank]), called as ``step(model, batch, before_forward, on_action)``; ``model`` is the
     stage's module, or with several stages per rank a :class:`RankStages`, ``batch`` one
     microbatch's inputs (a list: one per stage). ``forward(module, inputs)`` returns the
     loss on the last stage and the stage's output on the others; a tensor of ``inputs``
     that requires grad is the received activation. ``before_forward(stage)`` is called
     before each microbatch's forward (the meter forgets the stage's modules' previous call
     there: torch's FSDP memory tracker refuses a module called twice in one step
-    otherwise)."""
+    otherwise). ``on_action(kind, k, i)``, if given, is called before each of
+    :func:`actions`' entries and with ``("E", 0, 0)`` after the last (the planner's
+    segments: Note [A stage's microbatches in flight] in _plan/_stage_model.py)."""
 
     def __init__(self, pipeline: Pipeline, forward: Callable[[nn.Module, Any], torch.Tensor]) -> None:
         self.pipeline = pipeline
@@ -279,7 +282,8 @@ class StageStep:
         """Whether the schedule runs a microbatch's backward as ``I`` and ``W``."""
         return self.pipeline.schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
-    def __call__(self, model: nn.Module, batch: Any, before_forward: Callable[[nn.Module], None]) -> None:
+    def __call__(self, model: nn.Module, batch: Any, before_forward: Callable[[nn.Module], None],
+                 on_action: Callable[[str, int, int], None] | None = None) -> None:
         p = self.pipeline
         several = len(p.indices) > 1
         mods = list(model.stages) if isinstance(model, RankStages) else [model]
@@ -302,6 +306,8 @@ class StageStep:
         hooks = [m.register_forward_hook(lambda _m, _a, out: outputs.append(out)) for m in mods]
         try:
             for kind, k, i in actions(p):
+                if on_action is not None:
+                    on_action(kind, k, i)
                 if kind == "F":
                     before_forward(mods[k])
                     inputs = _received(batches[k], bufs[k]["act"], i, view=split_backward)
@@ -349,6 +355,8 @@ class StageStep:
                 h.remove()
         sent.clear()
         early.clear()
+        if on_action is not None:
+            on_action("E", 0, 0)
         if p.schedule in _SINGLE:  # the multi-stage runtime reduces each stage after its last backward
             finish_pipelined_backward(mods[0])
 

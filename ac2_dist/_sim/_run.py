@@ -53,7 +53,7 @@ class _Spec:
     gloo: bool = False  # a CPU job: count gloo's own buffers (Note [gloo's buffers of its own] in _world.py)
     # a pipeline stage's step (Note [A pipeline stage's step] in _pipeline.py): runs the
     # schedule's forwards and backwards; None: one forward of ``loss`` and its backward
-    step: Callable[[nn.Module, Any, Callable[[nn.Module], None]], None] | None = None
+    step: Callable[..., None] | None = None
 
 
 @dataclass
@@ -102,6 +102,9 @@ class _Recorder(MemoryBudget):
         self.problems: dict[tuple, _Problem] = {}  # structure -> its problem
         self.structure: dict[str, tuple] = {}  # fqn -> the structure its last call ran
         self.order: list[str] = []
+        # a pipeline rank's step: "@i" while microbatch i's action runs (Note [A stage's
+        # microbatches in flight] in _plan/_stage_model.py); "" otherwise
+        self.tag = ""
         if plans:
             self._set_plans(plans)
 
@@ -127,8 +130,9 @@ class _SimRegion(_BudgetRegion):
         if self.fqn not in order:
             order.append(self.fqn)
         k = order.index(self.fqn)
-        meter.mark(f"fwd:{k}")
-        graph.on_backward = lambda _g, k=k: meter.mark(f"bwd:{k}")
+        tag = rec.tag  # type: ignore[attr-defined]
+        meter.mark(f"fwd:{k}{tag}")
+        graph.on_backward = lambda _g, k=k, tag=tag: meter.mark(f"bwd:{k}{tag}")
 
     def region_exit(self, graph: Any, failed: bool) -> None:
         super().region_exit(graph, failed)
@@ -140,6 +144,20 @@ class _SimRegion(_BudgetRegion):
 def _tracker_names(model: nn.Module, fqns: Iterable[str]) -> dict[str, int]:
     root = type(model).__name__
     return {f"{root}.{f}" if f else root: k for k, f in enumerate(fqns)}
+
+
+def _action_marks(recorder: _Recorder | None, meter: Any) -> Callable[[str, int, int], None] | None:
+    """A pipeline step's action callback: marks a segment at each action of the counted
+    step (Note [A stage's microbatches in flight] in _plan/_stage_model.py)."""
+    if recorder is None:
+        return None
+
+    def on_action(kind: str, k: int, i: int) -> None:
+        if recorder.meter is meter:
+            recorder.tag = f"@{i}"
+            meter.mark(f"act:{kind}{k}@{i}")
+
+    return on_action
 
 
 def run_mode(spec: _Spec, policy: Any, factory: Any = None, count_replays: bool = False) -> _Run:
@@ -189,7 +207,7 @@ def run_mode(spec: _Spec, policy: Any, factory: Any = None, count_replays: bool 
                     if recorder is not None:
                         recorder.meter, recorder.order = meter, list(fqns)
                 if spec.step is not None:
-                    spec.step(model, batch, meter.forget)
+                    spec.step(model, batch, meter.forget, _action_marks(recorder, meter))
                 else:
                     loss = spec.loss(model, batch)
                     loss.backward()
