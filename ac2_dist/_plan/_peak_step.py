@@ -19,7 +19,8 @@ Note [One plan on every rank]
     under grad (as FSDP and DDP require anyway). A ``torch.distributed.pipelining``
     stage reaches a step's first region when its schedule says, not when the other
     stages do: the planner detects the stage (its frame on the stack, before any
-    collective), stays at the floor and never syncs.
+    collective) and never syncs: it stays at the floor or follows a pipeline rank's plan
+    file (Note [A pipeline rank's plan is followed as simulated] in _peak_pipeline.py).
 """
 
 from __future__ import annotations
