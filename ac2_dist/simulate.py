@@ -150,7 +150,8 @@ class SimulationReport:
         planned = nbytes - late
         # a pipeline rank holds each plan once per microbatch in flight (Note [A stage's
         # microbatches in flight] in _plan/_stage_model.py)
-        model = StageModel(floor) if self.pipeline is not None else OneStep()
+        several = self.pipeline is not None and len(self.pipeline.indices) > 1
+        model = StageModel(floor, several) if self.pipeline is not None else OneStep()
         choice = model.solve(options, bases, planned - origin)
         if choice is None or floor_peak > planned:
             less = (f" less the {late} bytes of collective buffers gloo may hold past their wait" if late else "")
@@ -181,7 +182,7 @@ class SimulationReport:
                 "device": self.device, "torch": torch.__version__, "guard": guard, "late": late}
         if self.pipeline is not None:
             meta["pipeline"] = plan_meta(self.pipeline)
-        names = file_fqns(fqns) if self.pipeline else fqns  # Note [A pipeline rank's plan file names its stages]
+        names = file_fqns(fqns, several)  # Note [A pipeline rank's plan file names its stages]
         self._plan = _plan_file.dump(names, {n: floor.structure[f] for n, f in zip(names, fqns)}, floor.problems,
                                      tuple(choice), bases, meta)
         self.modes = [m for m in self.modes if m.name != name] + [report]

@@ -100,3 +100,13 @@ def test_a_stage_plan_outside_its_schedule_is_an_error(stage_plan):
         module(x)
     with torch.no_grad():  # an evaluation forward is no step: it follows the plan
         module(x)
+
+
+def test_plan_file_names_keep_a_single_stage_modules_own_fqns():
+    """Only a rank of several stages is simulated inside ``RankStages`` (blocks
+    ``stages.<k>.<fqn>``, named ``<k>.<fqn>`` in the file for the job's ``nn.ModuleList``);
+    a one-stage module whose own submodule is called ``stages`` keeps its names."""
+    from ac2_dist._sim._stage_plan import file_fqns
+
+    assert file_fqns(["stages.0.layers.1", "stages.1.layers.0"], True) == ["0.layers.1", "1.layers.0"]
+    assert file_fqns(["stages.0.block"], False) == ["stages.0.block"]

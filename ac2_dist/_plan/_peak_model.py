@@ -236,24 +236,8 @@ def _solve_from(options: list[list[_Option]], problems: list[Any], measured: tup
     only (Note [A climb that replays nothing new]). ``made``: per block, what its replays
     had made at each of its sub-segments in ``peaks`` (Note [A block's backward, replay
     by replay])."""
-    priced, back, fresh = [], [], []
-    for k, (opts, problem, i) in enumerate(zip(options, problems, measured or [0] * len(options))):
-        p, b = _above(opts, problem, opts[i].saved)
-        subs = len([s for s in peaks if s.startswith(f"bwd:{k}/")])
-        p = _at(p, problem, opts[i].saved, (made or {}).get(k, [])[:subs])
-        priced.append(p)
-        back.append(b)
-        replayed = problem.evaluate(opts[i].saved)[2]
-        fresh.append([k for k, j in enumerate(b) if problem.evaluate(opts[j].saved)[2] <= replayed])
-    picked = _solve(priced, peaks, target - margin)
-    if margin:
-        within = _solve([[p[k] for k in ks] for p, ks in zip(priced, fresh)], peaks, target)
-        if within is not None:
-            within = tuple(ks[k] for ks, k in zip(fresh, within))
-            if picked is None or _cost(priced, within) < _cost(priced, picked):
-                picked = within
-    choice = tuple(measured or [0] * len(options)) if picked is None else tuple(b[i] for b, i in zip(back, picked))
-    mine = [p[b.index(i)] for p, b, i in zip(priced, back, choice)]
+    choice, mine = corrected(options, problems, tuple(measured or [0] * len(options)), peaks, target, margin,
+                             _solve, made)
     extra = [o.dk - opts[i].dk for o, opts, i in zip(mine, options, choice)]
     bases = {}
     for s, base in peaks.items():
@@ -264,6 +248,36 @@ def _solve_from(options: list[list[_Option]], problems: list[Any], measured: tup
             own = mine[k].at[j] if j < len(mine[k].at) else own
         bases[s] = base + sum(extra[:k]) + own - options[k][choice[k]].dk
     return choice, bases
+
+
+def corrected(options: list[list[_Option]], problems: list[Any], measured: tuple[int, ...], peaks: dict[str, int],
+              target: int, margin: int, solve: Any,
+              made: dict[int, list[frozenset[int]]] | None = None) -> tuple[tuple[int, ...], list[_Option]]:
+    """The choice of Note [A correction adds to what was measured] from the measured plan
+    ``measured`` and its step's ``peaks``, solved by ``solve(options, bases, cap)`` (a
+    peak model's solver): each option priced above the measured saved set (at block k's
+    sub-segments with ``made[k]``: Note [A block's backward, replay by replay]); a choice
+    that replays an op the measured plan did not fits ``target - margin`` only (Note [A
+    climb that replays nothing new]). Returns it (``measured`` if none fits) and each
+    block's chosen option as priced."""
+    priced, back, fresh = [], [], []
+    for k, (opts, problem, i) in enumerate(zip(options, problems, measured)):
+        p, b = _above(opts, problem, opts[i].saved)
+        subs = len([s for s in peaks if s.startswith(f"bwd:{k}/")])
+        p = _at(p, problem, opts[i].saved, (made or {}).get(k, [])[:subs])
+        priced.append(p)
+        back.append(b)
+        replayed = problem.evaluate(opts[i].saved)[2]
+        fresh.append([k for k, j in enumerate(b) if problem.evaluate(opts[j].saved)[2] <= replayed])
+    picked = solve(priced, peaks, target - margin)
+    if margin:
+        within = solve([[p[k] for k in ks] for p, ks in zip(priced, fresh)], peaks, target)
+        if within is not None:
+            within = tuple(ks[k] for ks, k in zip(fresh, within))
+            if picked is None or _cost(priced, within) < _cost(priced, picked):
+                picked = within
+    choice = measured if picked is None else tuple(b[i] for b, i in zip(back, picked))
+    return choice, [p[b.index(i)] for p, b, i in zip(priced, back, choice)]
 
 
 def fingerprint(made: dict[int, list[frozenset[int]]]) -> int:

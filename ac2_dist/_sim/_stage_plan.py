@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from .._plan._peak_model import _above, _cost
+from .._plan._peak_model import corrected
 from .._plan._stage_model import counts, predict, solve
 from ._run import _Run
 
@@ -33,8 +33,9 @@ class StageModel:
     """The peak model of one simulated pipeline rank: its blocks' stages and each
     segment's microbatch counts (``n``), from the floor step's segments in time order."""
 
-    def __init__(self, floor: _Run) -> None:
-        self.stage_of = [int(f.split(".")[1]) if f.startswith("stages.") else 0 for f in floor.fqns]
+    def __init__(self, floor: _Run, several: bool) -> None:
+        # with several stages a rank the blocks are ``stages.<k>.<fqn>`` (RankStages)
+        self.stage_of = [int(f.split(".")[1]) if several else 0 for f in floor.fqns]
         self.n = counts(list(floor.segments), self.stage_of)
 
     def adopt(self, run: _Run) -> None:
@@ -52,40 +53,22 @@ class StageModel:
         return sum(c * d for c, d in zip(self.n[segment], dks))
 
     def correct(self, options: list[list[Any]], problems: list[Any], measured: tuple[int, ...],
-              peaks: dict[str, int], cap: int, margin: int) -> tuple[tuple[int, ...], dict[str, int]]:
+                peaks: dict[str, int], cap: int, margin: int) -> tuple[tuple[int, ...], dict[str, int]]:
         """The cheapest plan predicted to fit from a measured plan's step: each option priced
         above the measured saved set (Note [A correction adds to what was measured] in
         _plan/_peak_model.py); a plan that replays an op the measured one did not fits
         ``cap - margin`` only. Returns it (``measured`` if none fits) and its bases."""
-        priced, back, fresh = [], [], []
-        for opts, problem, i in zip(options, problems, measured):
-            p, b = _above(opts, problem, opts[i].saved)
-            priced.append(p)
-            back.append(b)
-            replayed = problem.evaluate(opts[i].saved)[2]
-            fresh.append([k for k, j in enumerate(b) if problem.evaluate(opts[j].saved)[2] <= replayed])
-        picked = self.solve(priced, peaks, cap - margin)
-        within = self.solve([[p[k] for k in ks] for p, ks in zip(priced, fresh)], peaks, cap)
-        if within is not None:
-            within = tuple(ks[k] for ks, k in zip(fresh, within))
-            if picked is None or _cost(priced, within) < _cost(priced, picked):
-                picked = within
-        if picked is None:
-            choice = measured
-            above = [p[b.index(i)].dk for p, b, i in zip(priced, back, choice)]
-        else:
-            choice = tuple(b[i] for b, i in zip(back, picked))
-            above = [p[i].dk for p, i in zip(priced, picked)]
+        choice, mine = corrected(options, problems, measured, peaks, cap, margin, self.solve)
         # the bases that make the model's prediction of ``choice`` this one's
         dks = [o[i].dk for o, i in zip(options, choice)]
-        extra = [a - d for a, d in zip(above, dks)]
+        extra = [o.dk - d for o, d in zip(mine, dks)]
         return choice, {s: base + self.held(s, extra) for s, base in peaks.items()}
 
 
-def file_fqns(fqns: list[str]) -> list[str]:
+def file_fqns(fqns: list[str], several: bool) -> list[str]:
     """The blocks' names in a pipeline rank's plan file (Note [A pipeline rank's plan file
-    names its stages])."""
-    return [f.removeprefix("stages.") for f in fqns]
+    names its stages]): a rank of one stage keeps its module's own names."""
+    return [f.removeprefix("stages.") for f in fqns] if several else list(fqns)
 
 
 def plan_meta(pipeline: Any) -> dict[str, Any]:
